@@ -1,0 +1,166 @@
+"""`PooledMooncakeStoreConnector`: the class vLLM loads. Role dispatch only.
+
+    --kv-transfer-config '{"kv_connector": "PooledMooncakeStoreConnector",
+                           "kv_connector_module_path": "connector", "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {...}}'
+
+The module is imported by every vLLM process (API server, engine core, workers); the store
+client and torch-heavy code load only in the role that needs them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector.config import ConfigError, load_config
+from connector.keys import KeyBuilder, layout_from_vllm
+from connector.metadata import StepMetadata
+from connector.stats import PooledStoreStats
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+logger = logging.getLogger(__name__)
+
+
+class PooledMooncakeStoreConnector(KVConnectorBase_V1):
+    """Mooncake-store KV connector with a pool of receive threads and full observability."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None, **kwargs: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        try:
+            self.config = load_config(extra)
+        except ConfigError as e:
+            # One line that names the field and the fix, above vLLM's startup trace.
+            logger.error("PooledMooncakeStoreConnector: invalid configuration: %s", e)
+            raise
+        layout = layout_from_vllm(vllm_config, self.config.model_id)
+        self.keys = KeyBuilder(self.config.cache_prefix, layout)
+        self.scheduler = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from connector.scheduler import MooncakeStoreScheduler
+
+            self.scheduler = MooncakeStoreScheduler(self.config, self.keys,
+                                                    vllm_config.cache_config.block_size)
+        else:
+            self._start_worker(vllm_config, kv_cache_config)
+
+    def _start_worker(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        from connector.worker import MooncakeStoreWorker
+
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - not initialised (e.g. unit tests): derive it
+            tp_rank = vllm_config.parallel_config.rank % tp_size
+        self.worker = MooncakeStoreWorker(self.config, self.keys, tp_rank,
+                                          kv_cache_config.num_blocks)
+        from connector.tracing import SpanExporter, sample_ratio, tracing_enabled
+
+        if tracing_enabled():
+            ratio = sample_ratio(self.config.trace_sample_ratio)
+            if ratio > 0:
+                self.worker.add_subscriber(SpanExporter(ratio, tp_rank, "worker"))
+        logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %d receive threads, "
+                    "keys %s", tp_rank, tp_size, self.config.load_threads,
+                    self.keys.fingerprint)
+
+    # ---- classmethods used by vLLM at config time and in the API server -------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        return False  # buffers are registered once; sleep would free them under the store
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return PooledStoreStats(data=data) if data is not None else PooledStoreStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from connector.prom import PooledStorePromMetrics
+
+        return PooledStorePromMetrics(vllm_config, metric_types, labelnames,
+                                      per_engine_labelvalues)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: losing a save never loses a request
+
+    # ---- scheduler side --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ---- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, StepMetadata)
+        self.worker.wait_preempted(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self.worker.note_free_after(meta)
+        self.worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous; nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Saves happen once per step in wait_for_save."""
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self.worker.start_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_load_errors()
+
+    # ---- both ------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self.worker or self.scheduler
+        return side.recorder.snapshot() if side is not None else None
+
+    def shutdown(self) -> None:
+        for side in (self.worker, self.scheduler):
+            if side is not None:
+                side.shutdown()

@@ -1,0 +1,44 @@
+"""What the scheduler tells the workers each step. Picklable, immutable copies only: with TP=1
+the worker shares these objects with the scheduler by reference, and with async scheduling the
+scheduler keeps mutating its own lists while worker threads read these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Blocks of one request to move between the KV cache and the store.
+
+    `block_hashes[i]` names the store object whose bytes belong in KV block `block_ids[i]`.
+    """
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    trace_id: str = ""  # hashed request id, for span attributes (never a metric label)
+
+    def __post_init__(self) -> None:
+        if len(self.block_ids) != len(self.block_hashes):
+            raise ValueError(
+                f"{self.req_id}: {len(self.block_ids)} block ids but "
+                f"{len(self.block_hashes)} hashes"
+            )
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    """One scheduler step's instructions for every worker rank."""
+
+    loads: tuple[BlockTransfer, ...] = ()
+    saves: tuple[BlockTransfer, ...] = ()
+    # Requests whose blocks vLLM keeps until every rank reports them in finished_sending,
+    # because a save or a load for them may still touch their blocks.
+    free_after_jobs: tuple[str, ...] = ()
+    # Requests preempted this step: their blocks may be reused by this step's forward, so
+    # handle_preemptions waits for their in-flight saves first.
+    preempted: tuple[str, ...] = ()

@@ -1,0 +1,113 @@
+"""The single list of Prometheus families the connector exports.
+
+`prom.py` builds the metric objects from it, the dashboards and alert rules are checked
+against it, and the README table is generated from it, so a name cannot drift between them.
+Every family also carries vLLM's own `model_name` and `engine` labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "vllm:mooncake_pool_"
+
+# 50 us .. 20 s: master lookups on RDMA fabrics take ~100 us, TCP loads of long prompts seconds.
+LATENCY_BUCKETS = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One exported family. `key` is the short name used inside the stats payload."""
+
+    key: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    labels: tuple[str, ...]
+    help: str
+    question: str
+
+    @property
+    def name(self) -> str:
+        """The name as registered (prometheus_client adds `_total` to counters on export)."""
+        return PREFIX + self.key
+
+    @property
+    def exported(self) -> str:
+        return self.name + ("_total" if self.kind == "counter" else "")
+
+
+_T = ("tp_rank", "thread")
+_R = ("tp_rank",)
+
+FAMILIES: tuple[Family, ...] = (
+    # Receive pool, per thread.
+    Family("recv_threads", "gauge", _R, "Configured receive threads (VLLM_MOONCAKE_LOAD_RECV_THREADS).",
+           "Which thread count is each deployment running?"),
+    Family("layout_info", "gauge", ("tp_rank", "fingerprint", "hash_algo"), "Always 1; labels give the key-namespace fingerprint and block-hash algorithm.",
+           "Do two engines that should share blocks use the same key namespace?"),
+    Family("load_queue_depth", "gauge", _R, "Load jobs waiting in the shared receive queue (sampled each step).",
+           "Are the receive threads keeping up?"),
+    Family("load_inflight", "gauge", _T, "Load jobs a receive thread is working on (0 or 1, sampled each step).",
+           "Which threads are busy right now?"),
+    Family("load_queue_wait_seconds", "histogram", _T, "Time a load job waited in the shared queue before a thread took it.",
+           "Would more threads cut load latency?"),
+    Family("load_prepare_seconds", "histogram", _T, "Python preparation of a load job (keys, addresses) before any store call.",
+           "Is preparation (GIL) the bottleneck?"),
+    Family("load_master_lookup_seconds", "histogram", _T, "Master replica lookup for a load job's keys (sampled jobs).",
+           "Is the Mooncake master slow?"),
+    Family("load_transfer_seconds", "histogram", _T, "Data phase of a load: the batch get minus the master lookup.",
+           "Is the network / transfer engine slow?"),
+    Family("load_job_seconds", "histogram", _T, "Whole load job, from enqueue to completion.",
+           "How long do requests wait for KV from the store?"),
+    Family("load_bytes", "counter", _T, "Bytes loaded from the store into the KV cache.",
+           "What bandwidth does each thread achieve?"),
+    Family("load_keys", "counter", _T, "Store keys (one per block and TP rank) loaded.",
+           "How many blocks does each thread move?"),
+    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error).",
+           "How is work spread across threads, and how much fails?"),
+    Family("load_busy_seconds", "counter", _T, "Time a receive thread spent working on jobs; its rate is utilisation.",
+           "Are threads saturated or idle?"),
+    Family("load_error_blocks", "counter", _R, "KV blocks reported to vLLM as failed loads (vLLM recomputes them).",
+           "How much prefill is recomputed because loads failed?"),
+    # Save path.
+    Family("save_queue_depth", "gauge", _R, "Save jobs waiting for the save thread (sampled each step).",
+           "Is the save thread falling behind?"),
+    Family("save_ready_wait_seconds", "histogram", _R, "Wait for the step's KV to be ready (CUDA event) before a put.",
+           "Do saves stall on the forward pass?"),
+    Family("save_put_seconds", "histogram", _R, "Store put of a save job's new blocks.",
+           "How long do puts take?"),
+    Family("save_bytes", "counter", _R, "Bytes written to the store.",
+           "What write bandwidth does the store see?"),
+    Family("save_keys", "counter", _R, "Store keys written.",
+           "How many blocks are being stored?"),
+    Family("save_skipped_keys", "counter", _R, "Keys not written because the store already holds them.",
+           "How much is deduplicated?"),
+    # Scheduler lookup.
+    Family("lookup_seconds", "histogram", (), "Scheduler-side prefix lookup in the store (all TP namespaces).",
+           "Does the lookup slow the scheduler?"),
+    Family("lookup_keys", "counter", (), "Keys probed by scheduler lookups.",
+           "How much lookup traffic does the master get?"),
+    Family("lookups", "counter", ("result",), "Scheduler lookups by result: hit, miss, error or timeout.",
+           "Does the store find prefixes at all?"),
+    Family("lookup_hit_tokens", "counter", (), "Prompt tokens found in the store.",
+           "How much prefill does the store save?"),
+    Family("lookup_miss_tokens", "counter", (), "Prompt tokens looked up but not found.",
+           "What is the token hit rate?"),
+    # Failures.
+    Family("failures", "counter", ("tp_rank", "op", "code"),
+           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code.",
+           "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
+)
+
+BY_KEY = {f.key: f for f in FAMILIES}
+
+
+def markdown_table() -> str:
+    """The README table of every family."""
+    rows = ["| name | type | labels | meaning | question it answers |", "|---|---|---|---|---|"]
+    for f in FAMILIES:
+        labels = ", ".join(("model_name", "engine") + f.labels)
+        rows.append(f"| `{f.exported}` | {f.kind} | {labels} | {f.help} | {f.question} |")
+    return "\n".join(rows)

@@ -1,0 +1,73 @@
+"""A pool of receive threads sharing one job queue.
+
+Every KV load pays Python preparation and a master lookup before bytes move; with one thread
+that is dead time on the NIC. N threads take whole jobs from one shared queue, so those
+control phases overlap with other jobs' transfers (the store calls release the GIL).
+
+The pool knows nothing about KV caches: it hands each job to `handler(job, thread_index)`,
+keeps per-thread in-flight flags for the gauges, and survives any exception a handler raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+logger = logging.getLogger(__name__)
+J = TypeVar("J")
+_STOP = object()
+
+
+class RecvPool(Generic[J]):
+    def __init__(self, threads: int, handler: Callable[[J, int], None],
+                 name: str = "mcpool-recv") -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._handler = handler
+        self.inflight = [0] * threads
+        self.jobs_done = [0] * threads
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def size(self) -> int:
+        return len(self._threads)
+
+    def submit(self, job: J) -> None:
+        self._queue.put(job)
+
+    def depth(self) -> int:
+        """Jobs waiting for a thread."""
+        return self._queue.qsize()
+
+    def _run(self, index: int) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            self.inflight[index] = 1
+            try:
+                self._handler(job, index)
+            except Exception:  # the handler reports its own failures; keep serving the queue
+                logger.exception("receive thread %d: unhandled error in load job", index)
+            finally:
+                self.inflight[index] = 0
+                self.jobs_done[index] += 1
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop after the queued jobs; never blocks longer than `timeout` in total."""
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in self._threads if t.is_alive()]
+        if busy:
+            logger.warning("receive threads still busy at shutdown (left as daemons): %s", busy)

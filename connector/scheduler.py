@@ -1,0 +1,225 @@
+"""Scheduler side: prefix lookup in the store, and which blocks each step loads and saves.
+
+Lookups run on a small executor with the scheduler's own store client (no segment), so the
+engine loop never waits on the master for more than `lookup_wait_ms`; until the answer is in,
+`get_num_new_matched_tokens` returns None and vLLM retries the request next step. A lookup that
+errors or exceeds `lookup_timeout_s` is a miss, never an exception in the engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.config import ConnectorConfig
+from connector.events import LookupEvent
+from connector.keys import KeyBuilder
+from connector.metadata import BlockTransfer, StepMetadata
+from connector.stats import StatsRecorder
+from connector.store import EXCEPTION_CODE, StoreHandle, error_code_label
+
+logger = logging.getLogger(__name__)
+LOOKUP_CLIENT_BUFFER = 16 * 2**20
+FIRST_WINDOW = 16  # blocks probed by the first batch_is_exist; later windows grow 4x
+
+
+class LookupFailed(Exception):
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass
+class _Tracked:
+    """Save cursor of a running request."""
+
+    request: Any
+    saved_upto: int  # tokens whose blocks are in the store (or being written)
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Lookup:
+    future: cf.Future
+    started: float
+
+
+class MooncakeStoreScheduler:
+    def __init__(self, config: ConnectorConfig, keys: KeyBuilder, block_size: int) -> None:
+        self.config = config
+        self._keys = keys
+        self._tp_size = keys.layout.tp_size
+        self._block_size = block_size
+        self._store = StoreHandle(config.store, 0, LOOKUP_CLIENT_BUFFER,
+                                  config.on_master_unreachable, config.store_timeout_s)
+        self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
+        self._lookups: dict[str, _Lookup] = {}
+        self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[BlockTransfer] = []
+        self._loading: set[str] = set()
+        self._saved: set[str] = set()
+        self._free_after: list[str] = []
+        self.recorder = StatsRecorder()
+
+    # ---- lookup ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if not self.config.enable_load:
+            return 0, False
+        bs = self._block_size
+        max_blocks = (request.num_tokens - 1) // bs  # always leave one token to compute
+        if max_blocks * bs <= num_computed_tokens:
+            return 0, False
+        rid = request.request_id
+        hit = self._hits.get(rid)
+        if hit is None:
+            hit = self._poll_lookup(rid, request.block_hashes[:max_blocks])
+            if hit is None:
+                return None, False
+            self._hits[rid] = hit
+        ext = hit - num_computed_tokens
+        return (ext, True) if ext > 0 else (0, False)
+
+    def _poll_lookup(self, rid: str, hashes: Sequence[bytes]) -> int | None:
+        lk = self._lookups.get(rid)
+        if lk is None:
+            if self._store.client is None:
+                return 0
+            lk = self._lookups[rid] = _Lookup(
+                self._executor.submit(self._lookup, tuple(hashes)), time.perf_counter())
+        try:
+            return lk.future.result(timeout=self.config.lookup_wait_ms / 1e3)
+        except cf.TimeoutError:
+            if time.perf_counter() - lk.started < self.config.lookup_timeout_s:
+                return None
+            del self._lookups[rid]
+            self.recorder.on_lookup(LookupEvent("timeout", 0, 0, len(hashes) * self._block_size,
+                                                time.perf_counter() - lk.started))
+            logger.warning("store lookup exceeded lookup_timeout_s=%.3fs; treating as a miss",
+                           self.config.lookup_timeout_s)
+            return 0
+        finally:
+            if lk.future.done():
+                self._lookups.pop(rid, None)
+
+    def _lookup(self, hashes: tuple[bytes, ...]) -> int:
+        """Longest stored prefix, in tokens. Runs on the lookup executor."""
+        t0 = time.perf_counter()
+        found, probed, code = 0, 0, ""
+        try:
+            window, tp = FIRST_WINDOW, self._tp_size
+            while found < len(hashes):
+                chunk = hashes[found:found + window]
+                keys = self._keys.all_rank_keys(chunk)
+                probed += len(keys)
+                res = self._store.client.batch_is_exist(keys)
+                if any(r < 0 for r in res):
+                    raise LookupFailed(error_code_label(min(res)))
+                n = next((i for i in range(len(chunk)) if 0 in res[i * tp:(i + 1) * tp]),
+                         len(chunk))
+                found += n
+                if n < len(chunk):
+                    break
+                window *= 4
+        except Exception as e:  # noqa: BLE001 - any failure is a miss, counted by code
+            code = e.code if isinstance(e, LookupFailed) else EXCEPTION_CODE
+            logger.warning("store lookup failed (%s); treating as a miss", e)
+            found = 0
+        hit_tokens = found * self._block_size
+        result = "error" if code else ("hit" if found else "miss")
+        self.recorder.on_lookup(LookupEvent(
+            result, probed, hit_tokens, (len(hashes) - found) * self._block_size,
+            time.perf_counter() - t0, code))
+        return hit_tokens
+
+    # ---- allocation and per-step metadata --------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        rid = request.request_id
+        hit = self._hits.get(rid, 0)
+        if num_external_tokens > 0 and rid not in self._loading:
+            block_ids = blocks.get_block_ids()[0]
+            first, last = (hit - num_external_tokens) // self._block_size, hit // self._block_size
+            self._loads.append(BlockTransfer(
+                rid, tuple(block_ids[first:last]), tuple(request.block_hashes[first:last])))
+            self._loading.add(rid)
+        if self.config.enable_save and rid not in self._tracked:
+            self._tracked[rid] = _Tracked(request, saved_upto=hit)
+
+    def build_connector_meta(self, so: Any) -> StepMetadata:
+        saves: list[BlockTransfer] = []
+        preempted = tuple(so.preempted_req_ids or ())
+        for rid in preempted:
+            self._tracked.pop(rid, None)
+            self._hits.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            tr = self._tracked.get(new.req_id)
+            if tr is not None:
+                tr.block_ids = list(new.block_ids[0])
+                self._plan_save(tr, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
+                                saves)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tr = self._tracked.get(rid)
+            if tr is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                tr.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                tr.block_ids.extend(new_ids[0])
+            self._plan_save(tr, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid],
+                            saves)
+        meta = StepMetadata(loads=tuple(self._loads), saves=tuple(saves),
+                            free_after_jobs=tuple(self._free_after), preempted=preempted)
+        self._loads.clear()
+        self._free_after.clear()
+        return meta
+
+    def _plan_save(self, tr: _Tracked, computed: int, saves: list[BlockTransfer]) -> None:
+        req = tr.request
+        limit = computed if self.config.save_decode_tokens else min(computed,
+                                                                   req.num_prompt_tokens)
+        full = limit // self._block_size
+        first = tr.saved_upto // self._block_size
+        full = min(full, len(tr.block_ids), len(req.block_hashes))
+        if full > first:
+            saves.append(BlockTransfer(req.request_id, tuple(tr.block_ids[first:full]),
+                                       tuple(req.block_hashes[first:full])))
+            tr.saved_upto = full * self._block_size
+            self._saved.add(req.request_id)
+
+    # ---- completion ------------------------------------------------------------------------
+    def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_recving or ():
+            self._loading.discard(rid)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        """Hold the blocks while a job may still touch them.
+
+        A request still loading is freed by vLLM when its load completes (finished_recving);
+        one with saves is freed once every rank reports it in finished_sending.
+        """
+        rid = request.request_id
+        self._hits.pop(rid, None)
+        self._tracked.pop(rid, None)
+        lk = self._lookups.pop(rid, None)
+        if lk is not None:
+            lk.future.cancel()
+        if rid in self._loading:
+            self._saved.discard(rid)
+            return True, None
+        if rid in self._saved:
+            self._saved.discard(rid)
+            self._free_after.append(rid)
+            return True, None
+        return False, None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._store.close()

@@ -1,0 +1,188 @@
+"""Connector statistics: the metrics subscriber, and the payload vLLM carries to the frontend.
+
+Payload (msgpack-safe: str keys, builtin values, bounded size):
+
+    {"c": {"load_bytes|0|2": 123456, "failures|0|load|-704": 3, ...},   # counters, summed
+     "h": {"load_prepare_seconds|0|2": [0.0004, ...], ...},             # samples, capped
+     "g": {"load_queue_depth|0": 3, "load_inflight|0|2": 1, ...}}       # gauges, last value
+
+Each key is a family key from `metric_catalog` followed by that family's label values, in
+order, joined by "|". Rank and thread identity live inside the key because vLLM's TP
+aggregation merges all ranks into one object.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from connector.events import LoadEvent, LookupEvent, SaveEvent
+
+SAMPLE_CAP = 1024  # histogram samples per key per step; counters stay exact past it
+GAUGE_RESEND_S = 5.0  # unchanged gauges are re-sent this often so a fresh frontend sees them
+_EWMA = 0.2
+
+
+def _key(family: str, *labels: object) -> str:
+    return "|".join((family, *map(str, labels)))
+
+
+@dataclass
+class PooledStoreStats(KVConnectorStats):
+    """What one step (or one logging interval, after aggregation) observed."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"c": {}, "h": {}, "g": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if other.is_empty():
+            return self
+        c, h, g = self.data["c"], self.data["h"], self.data["g"]
+        for k, v in other.data["c"].items():
+            c[k] = c.get(k, 0) + v
+        for k, v in other.data["h"].items():
+            cur = h.setdefault(k, [])
+            cur.extend(v[: max(0, SAMPLE_CAP - len(cur))])
+        g.update(other.data["g"])
+        return self
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not (d["c"] or d["h"] or d["g"])
+
+    def reduce(self) -> dict[str, int | float]:
+        """Totals and latency percentiles for vLLM's periodic "KV Transfer metrics" log line."""
+        totals: dict[str, float] = defaultdict(float)
+        for k, v in self.data["c"].items():
+            totals[k.split("|", 1)[0]] += v
+        out: dict[str, int | float] = {
+            "load_jobs": int(totals["load_jobs"]),
+            "load_MB": round(totals["load_bytes"] / 2**20, 3),
+            "load_error_blocks": int(totals["load_error_blocks"]),
+            "save_keys": int(totals["save_keys"]),
+            "save_skipped_keys": int(totals["save_skipped_keys"]),
+            "lookup_hit_tokens": int(totals["lookup_hit_tokens"]),
+            "lookup_miss_tokens": int(totals["lookup_miss_tokens"]),
+            "failures": int(totals["failures"]),
+        }
+        samples: dict[str, list[float]] = defaultdict(list)
+        for k, v in self.data["h"].items():
+            samples[k.split("|", 1)[0]].extend(v)
+        for fam in ("load_queue_wait_seconds", "load_prepare_seconds",
+                    "load_master_lookup_seconds", "load_transfer_seconds", "lookup_seconds"):
+            vals = sorted(samples.get(fam, ()))
+            if vals:
+                name = fam.removesuffix("_seconds")
+                out[f"{name}_p50_ms"] = round(vals[len(vals) // 2] * 1e3, 3)
+                out[f"{name}_p99_ms"] = round(vals[min(len(vals) - 1, int(len(vals) * 0.99))]
+                                              * 1e3, 3)
+        return out
+
+
+class StatsRecorder:
+    """Metrics subscriber: folds events into counters and samples until vLLM polls.
+
+    Called from the receive/save threads and the scheduler's lookup thread; the lock is held
+    only for dictionary updates, never across a store call. Keys are precomputed per thread.
+    """
+
+    def __init__(self, tp_rank: int = 0, threads: int = 0,
+                 gauges: Callable[[], dict[str, int]] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._c: dict[str, float] = defaultdict(int)
+        self._h: dict[str, list[float]] = defaultdict(list)
+        self._gauges = gauges
+        self._last_gauges: dict[str, int] = {}
+        self._gauge_sent_at = 0.0
+        self._rank = tp_rank
+        self._lookup_ewma = [0.0] * threads
+        fams = ("load_queue_wait_seconds", "load_prepare_seconds", "load_master_lookup_seconds",
+                "load_transfer_seconds", "load_job_seconds", "load_bytes", "load_keys",
+                "load_busy_seconds")
+        self._tkeys = [{f: _key(f, tp_rank, t) for f in fams}
+                       | {"ok": _key("load_jobs", tp_rank, t, "ok"),
+                          "error": _key("load_jobs", tp_rank, t, "error")}
+                       for t in range(threads)]
+        self._rkeys = {f: _key(f, tp_rank) for f in (
+            "load_error_blocks", "save_ready_wait_seconds", "save_put_seconds", "save_bytes",
+            "save_keys", "save_skipped_keys")}
+
+    def _sample(self, key: str, value: float) -> None:
+        s = self._h[key]
+        if len(s) < SAMPLE_CAP:
+            s.append(value)
+
+    def on_load(self, ev: LoadEvent) -> None:
+        k = self._tkeys[ev.thread]
+        get_s = ev.t_end - ev.t_lookup_end
+        if ev.lookup_sampled:
+            lookup_s = ev.t_lookup_end - ev.t_prepared
+            prev = self._lookup_ewma[ev.thread]
+            self._lookup_ewma[ev.thread] = lookup_s if prev == 0 else \
+                prev + _EWMA * (lookup_s - prev)
+        # The batch get does its own master lookup before moving bytes; subtract the thread's
+        # latest lookup estimate to report the data phase alone.
+        transfer_s = max(0.0, get_s - self._lookup_ewma[ev.thread])
+        with self._lock:
+            self._sample(k["load_queue_wait_seconds"], ev.t_start - ev.t_enqueue)
+            self._sample(k["load_prepare_seconds"], ev.t_prepared - ev.t_start)
+            if ev.lookup_sampled:
+                self._sample(k["load_master_lookup_seconds"], lookup_s)
+            self._sample(k["load_job_seconds"], ev.t_end - ev.t_enqueue)
+            self._c[k["load_busy_seconds"]] += ev.t_end - ev.t_start
+            if ev.ok:
+                self._sample(k["load_transfer_seconds"], transfer_s)
+                self._c[k["ok"]] += 1
+            else:
+                self._c[k["error"]] += 1
+                self._c[_key("failures", ev.tp_rank, "load", ev.code)] += 1
+                self._c[self._rkeys["load_error_blocks"]] += ev.failed_blocks
+            self._c[k["load_bytes"]] += ev.nbytes
+            self._c[k["load_keys"]] += ev.keys
+
+    def on_save(self, ev: SaveEvent) -> None:
+        k = self._rkeys
+        with self._lock:
+            self._sample(k["save_ready_wait_seconds"], ev.t_ready - ev.t_start)
+            if ev.keys:
+                self._sample(k["save_put_seconds"], ev.t_end - ev.t_exists_end)
+            self._c[k["save_bytes"]] += ev.nbytes
+            self._c[k["save_keys"]] += ev.keys
+            self._c[k["save_skipped_keys"]] += ev.skipped
+            if ev.code:
+                self._c[_key("failures", ev.tp_rank, ev.failed_op, ev.code)] += 1
+
+    def on_lookup(self, ev: LookupEvent) -> None:
+        with self._lock:
+            self._sample("lookup_seconds", ev.seconds)
+            self._c["lookup_keys"] += ev.keys
+            self._c[_key("lookups", ev.result)] += 1
+            self._c["lookup_hit_tokens"] += ev.hit_tokens
+            self._c["lookup_miss_tokens"] += ev.miss_tokens
+            if ev.code:
+                self._c[_key("failures", self._rank, "lookup", ev.code)] += 1
+
+    def snapshot(self) -> PooledStoreStats | None:
+        """Hand over everything recorded since the last call (None when nothing happened)."""
+        with self._lock:
+            c, h = self._c, self._h
+            self._c, self._h = defaultdict(int), defaultdict(list)
+        g: dict[str, Any] = {}
+        if self._gauges is not None:
+            now = time.monotonic()
+            cur = self._gauges()
+            if cur != self._last_gauges or now - self._gauge_sent_at > GAUGE_RESEND_S:
+                g, self._last_gauges, self._gauge_sent_at = cur, cur, now
+        if not (c or h or g):
+            return None
+        return PooledStoreStats(data={"c": dict(c), "h": dict(h), "g": g})

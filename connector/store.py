@@ -1,0 +1,145 @@
+"""Opening a Mooncake store client, and naming its error codes.
+
+`MooncakeDistributedStore.setup()` retries for ~90 s while holding the GIL when the master is
+down, so we probe the master's RPC port and metadata server first and fail (or degrade) with a
+message that names the field, instead of freezing the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from connector.config import ConfigError, StoreConfig
+
+logger = logging.getLogger(__name__)
+
+# ErrorCode values from Mooncake's types.h.
+ERROR_NAMES = {
+    -1: "INTERNAL_ERROR",
+    -200: "NO_AVAILABLE_HANDLE",
+    -600: "INVALID_PARAMS",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
+}
+# Label value for failures that are Python exceptions rather than store return codes.
+EXCEPTION_CODE = "exception"
+
+
+class StoreUnavailable(ConfigError):
+    """The Mooncake master or metadata server cannot be reached."""
+
+
+def _probe_tcp(host: str, port: int, timeout: float) -> str | None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def check_reachable(cfg: StoreConfig, timeout: float) -> None:
+    """Raise StoreUnavailable naming the field whose endpoint does not answer."""
+    host, port = cfg.master_server_address.rsplit(":", 1)
+    err = _probe_tcp(host, int(port), timeout)
+    if err:
+        raise StoreUnavailable(
+            f"master_server_address: Mooncake master {cfg.master_server_address} is unreachable "
+            f"({err}); start mooncake_master there, fix the address, or set "
+            "kv_connector_extra_config.on_master_unreachable=\"degrade\" to serve without the cache"
+        )
+    url = urllib.parse.urlparse(cfg.metadata_server)
+    if url.scheme in ("http", "https"):
+        err = _probe_tcp(url.hostname or "", url.port or 80, timeout)
+        if err:
+            raise StoreUnavailable(
+                f"metadata_server: {cfg.metadata_server} is unreachable ({err}); start the "
+                "master with --enable_http_metadata_server or fix the URL"
+            )
+
+
+def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: int,
+               timeout: float) -> Any:
+    """Probe, then set up a `MooncakeDistributedStore` client."""
+    check_reachable(cfg, timeout)
+    from mooncake.store import MooncakeDistributedStore  # heavy; worker/scheduler only
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(
+        cfg.local_hostname, cfg.metadata_server, global_segment_size, local_buffer_size,
+        cfg.protocol, cfg.device_name, cfg.master_server_address,
+    )
+    if rc != 0:
+        raise StoreUnavailable(
+            f"master_server_address: Mooncake client setup against {cfg.master_server_address} "
+            f"failed with code {rc} ({ERROR_NAMES.get(rc, 'unknown')}); check the master log, "
+            "protocol/device_name and that global_segment_size fits in memory"
+        )
+    return store
+
+
+def error_code_label(code: int) -> str:
+    """Bounded label value for a negative store return code."""
+    return str(code) if code in ERROR_NAMES else "other"
+
+
+class StoreHandle:
+    """The process's store client, or None while the master is unreachable.
+
+    on_master_unreachable="fail": open now, raise StoreUnavailable on failure.
+    "degrade": if the first attempt fails, serve without the cache (every lookup a miss, no
+    saves) and retry in a background thread every `retry_s` seconds; `on_connect` callbacks
+    run once the client exists (the worker registers its KV buffers there).
+    """
+
+    def __init__(self, cfg: StoreConfig, global_segment_size: int, local_buffer_size: int,
+                 mode: str, timeout: float, retry_s: float = 5.0) -> None:
+        self._args = (cfg, global_segment_size, local_buffer_size, timeout)
+        self._retry_s = retry_s
+        self._callbacks: list = []
+        self._stop = threading.Event()
+        self.client: Any = None
+        try:
+            self.client = open_store(*self._args)
+        except StoreUnavailable as e:
+            if mode == "fail":
+                raise
+            logger.warning("serving without the KV store until it is reachable: %s", e)
+            threading.Thread(target=self._reconnect, name="mcpool-reconnect",
+                             daemon=True).start()
+
+    def on_connect(self, callback) -> None:
+        """Run callback(client) now if connected, else when the background retry succeeds."""
+        self._callbacks.append(callback)
+        if self.client is not None:
+            callback(self.client)
+
+    def _reconnect(self) -> None:
+        while not self._stop.wait(self._retry_s):
+            try:
+                client = open_store(*self._args)
+            except StoreUnavailable as e:
+                logger.debug("store still unreachable: %s", e)
+                continue
+            for cb in self._callbacks:
+                cb(client)
+            self.client = client
+            logger.info("connected to the Mooncake store; cache enabled")
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.client is not None:
+            self.client.close()
+            self.client = None

@@ -1,0 +1,293 @@
+"""Worker side: moves KV blocks between this rank's cache and the Mooncake store.
+
+- Loads: `start_load_kv` queues one job per request; a `RecvPool` of N threads (N =
+  VLLM_MOONCAKE_LOAD_RECV_THREADS) runs them. A job that fails in any way reports its block
+  ids as load errors *before* the request is reported finished, so vLLM recomputes them; no
+  request is ever left unfinished.
+- Saves: `wait_for_save` queues one job per request with new full blocks; one save thread
+  writes them (skipping keys the store already holds).
+- Block lifetime: blocks of a request with jobs in flight are not freed (the scheduler delays
+  the free until every rank reports the request in finished_sending) and not reused after a
+  preemption (`handle_preemptions` waits for the request's saves).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from connector.config import ConnectorConfig
+from connector.events import LoadEvent, SaveEvent, Subscriber
+from connector.keys import KeyBuilder
+from connector.kv_regions import BlockRegions, compute_regions
+from connector.metadata import BlockTransfer, StepMetadata
+from connector.recv_pool import RecvPool
+from connector.stats import StatsRecorder
+from connector.store import EXCEPTION_CODE, StoreHandle, error_code_label
+
+logger = logging.getLogger(__name__)
+PREEMPTION_WAIT_S = 60.0
+
+
+def request_hash(req_id: str) -> str:
+    """A short stable digest of a request id, for span attributes and logs (never labels)."""
+    return hashlib.blake2b(req_id.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(slots=True)
+class _Job:
+    transfer: BlockTransfer
+    t_enqueue: float
+    trace_parent: Any
+    ready: Any = None  # torch.cuda.Event for saves when the caches are on CUDA
+
+
+class MooncakeStoreWorker:
+    def __init__(self, config: ConnectorConfig, keys: KeyBuilder, tp_rank: int,
+                 num_blocks: int) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self._keys = keys
+        self._num_blocks = num_blocks
+        self._regions: BlockRegions | None = None
+        self._kv_caches: dict[str, Any] = {}
+        self._store = StoreHandle(
+            config.store, config.store.global_segment_size, config.store.local_buffer_size,
+            config.on_master_unreachable, config.store_timeout_s)
+        # Bookkeeping shared by the model-runner thread and the job threads. The lock guards
+        # only these containers and is never held across a store call.
+        self._lock = threading.Condition()
+        self._pending: Counter[str] = Counter()  # jobs in flight per request
+        self._done_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._awaiting_free: set[str] = set()
+        self._lookup_every = (round(1 / config.master_lookup_sample_ratio)
+                              if config.master_lookup_sample_ratio > 0 else 0)
+        self._job_count = [0] * config.load_threads
+        self.pool: RecvPool[_Job] = RecvPool(config.load_threads, self._load)
+        self._save_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._save_thread = threading.Thread(target=self._save_loop, name="mcpool-save",
+                                             daemon=True)
+        self._save_thread.start()
+        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges)
+        self.subscribers: list[Subscriber] = [self.recorder]
+        self._get_context = None
+        self._info_key = f"layout_info|{tp_rank}|{keys.fingerprint}|{keys.layout.hash_algo}"
+
+    def add_subscriber(self, sub: Subscriber) -> None:
+        self.subscribers.append(sub)
+        self._get_context = getattr(sub, "get_context", self._get_context)
+
+    # ---- registration ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._regions = compute_regions(kv_caches, self._num_blocks)
+        self._kv_caches = kv_caches  # registered memory must outlive the store client
+        logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv threads",
+                    len(self._regions.sizes), self._regions.block_bytes, self.tp_rank,
+                    self.pool.size)
+        self._store.on_connect(self._register_buffers)
+
+    def _register_buffers(self, client: Any) -> None:
+        for ptr, size in self._regions.storages:
+            rc = client.register_buffer(ptr, size)
+            if rc != 0:
+                logger.error("register_buffer(%#x, %d) failed with %d; loads and saves on "
+                             "this rank will fail and be recomputed", ptr, size, rc)
+
+    # ---- per step --------------------------------------------------------------------------
+    def _context(self) -> Any:
+        return self._get_context() if self._get_context is not None else None
+
+    def start_load(self, meta: StepMetadata) -> None:
+        now = time.perf_counter()
+        ctx = self._context()
+        with self._lock:
+            for t in meta.loads:
+                self._pending[t.req_id] += 1
+        for t in meta.loads:
+            self.pool.submit(_Job(t, now, ctx))
+
+    def start_save(self, meta: StepMetadata) -> None:
+        if not meta.saves:
+            return
+        ready = None
+        if self._regions is not None and self._regions.on_cuda:
+            import torch  # only on CUDA caches: the CPU forward is synchronous
+
+            ready = torch.cuda.Event()
+            ready.record()
+        now = time.perf_counter()
+        ctx = self._context()
+        with self._lock:
+            for t in meta.saves:
+                self._pending[t.req_id] += 1
+        for t in meta.saves:
+            self._save_queue.put(_Job(t, now, ctx, ready))
+
+    def note_free_after(self, meta: StepMetadata) -> None:
+        if meta.free_after_jobs:
+            with self._lock:
+                self._awaiting_free.update(meta.free_after_jobs)
+
+    def wait_preempted(self, meta: StepMetadata) -> None:
+        """Block until no job of a preempted request can still touch its (now reusable) blocks."""
+        if not meta.preempted:
+            return
+        deadline = time.monotonic() + PREEMPTION_WAIT_S
+        with self._lock:
+            while any(self._pending[r] for r in meta.preempted):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.error("jobs of preempted requests still running after %.0fs",
+                                 PREEMPTION_WAIT_S)
+                    return
+                self._lock.wait(left)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            recving, self._done_loads = self._done_loads, set()
+            sending = {r for r in self._awaiting_free if not self._pending[r]}
+            self._awaiting_free -= sending
+            for r in sending:
+                del self._pending[r]
+        return sending or None, recving or None
+
+    def get_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _finish(self, req_id: str, failed_blocks: list[int] | tuple[int, ...], load: bool) -> None:
+        with self._lock:
+            # Errors first: vLLM must see the bad blocks no later than the completion.
+            self._load_errors.update(failed_blocks)
+            if load:
+                self._done_loads.add(req_id)
+            self._pending[req_id] -= 1
+            self._lock.notify_all()
+
+    def _gauges(self) -> dict[str, int]:
+        g = {f"load_queue_depth|{self.tp_rank}": self.pool.depth(),
+             f"save_queue_depth|{self.tp_rank}": self._save_queue.qsize(),
+             f"recv_threads|{self.tp_rank}": self.pool.size,
+             self._info_key: 1}
+        for i, v in enumerate(self.pool.inflight):
+            g[f"load_inflight|{self.tp_rank}|{i}"] = v
+        return g
+
+    def _publish(self, method: str, ev: Any) -> None:
+        for sub in self.subscribers:
+            try:
+                getattr(sub, method)(ev)
+            except Exception:  # observability must never break the data path
+                logger.exception("subscriber %r failed", sub)
+
+    # ---- load job (runs on a receive thread) -----------------------------------------------
+    def _load(self, job: _Job, thread: int) -> None:
+        t = job.transfer
+        t_start = time.perf_counter()
+        t_prepared = t_lookup_end = t_start
+        sampled = False
+        code, failed, nbytes = "", list(t.block_ids), 0
+        try:
+            client = self._store.client
+            if client is None or self._regions is None:
+                raise ConnectionError("Mooncake store not connected")
+            keys = self._keys.keys(t.block_hashes, self.tp_rank)
+            addrs, sizes = self._regions.addresses(t.block_ids)
+            t_prepared = t_lookup_end = time.perf_counter()
+            self._job_count[thread] += 1
+            if self._lookup_every and self._job_count[thread] % self._lookup_every == 0:
+                client.batch_get_replica_desc(keys)
+                t_lookup_end = time.perf_counter()
+                sampled = True
+            results = client.batch_get_into_multi_buffers(keys, addrs, sizes)
+            want = self._regions.block_bytes
+            if len(results) != len(keys):
+                raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
+            failed = [b for b, r in zip(t.block_ids, results, strict=True) if r != want]
+            nbytes = sum(r for r in results if r > 0)
+            bad = next((r for r in results if r != want), None)
+            if bad is not None:
+                code = error_code_label(bad) if bad < 0 else "-600"
+        except Exception as e:  # preparation or transfer: report every block, recompute
+            code = EXCEPTION_CODE
+            logger.warning("load of %d blocks for %s failed: %r", len(t.block_ids),
+                           request_hash(t.req_id), e)
+        finally:
+            self._finish(t.req_id, failed if code else (), load=True)
+        self._publish("on_load", LoadEvent(
+            thread=thread, tp_rank=self.tp_rank, trace_id=request_hash(t.req_id),
+            keys=len(t.block_ids), nbytes=nbytes, failed_blocks=len(failed) if code else 0,
+            code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
+            t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
+            trace_parent=job.trace_parent))
+
+    # ---- save thread -----------------------------------------------------------------------
+    def _save_loop(self) -> None:
+        while True:
+            job = self._save_queue.get()
+            if job is None:
+                return
+            try:
+                self._save(job)
+            except Exception:
+                logger.exception("save job failed unexpectedly")
+
+    def _save(self, job: _Job) -> None:
+        t = job.transfer
+        t_start = time.perf_counter()
+        t_ready = t_exists = t_start
+        code, op, stored, skipped, nbytes = "", "save", 0, 0, 0
+        try:
+            if job.ready is not None:
+                job.ready.synchronize()
+            t_ready = t_exists = time.perf_counter()
+            client = self._store.client
+            if client is None or self._regions is None:
+                raise ConnectionError("Mooncake store not connected")
+            keys = self._keys.keys(t.block_hashes, self.tp_rank)
+            exists = client.batch_is_exist(keys)
+            t_exists = time.perf_counter()
+            if any(e < 0 for e in exists):
+                code, op = error_code_label(min(exists)), "save_exists"
+            new = [i for i, e in enumerate(exists) if e != 1]
+            skipped = len(keys) - len(new)
+            if new:
+                addrs, sizes = self._regions.addresses([t.block_ids[i] for i in new])
+                results = client.batch_put_from_multi_buffers([keys[i] for i in new], addrs,
+                                                              sizes)
+                # -705: another writer stored the same block meanwhile; that is a skip.
+                skipped += sum(1 for r in results if r == -705)
+                stored = sum(1 for r in results if r == 0)
+                errs = [r for r in results if r < 0 and r != -705]
+                if errs:
+                    code, op = error_code_label(errs[0]), "save"
+                nbytes = stored * self._regions.block_bytes
+        except Exception as e:
+            code, op = EXCEPTION_CODE, "save"
+            logger.warning("save for %s failed: %r", request_hash(t.req_id), e)
+        finally:
+            self._finish(t.req_id, (), load=False)
+        self._publish("on_save", SaveEvent(
+            tp_rank=self.tp_rank, trace_id=request_hash(t.req_id), keys=stored, skipped=skipped,
+            nbytes=nbytes, code=code, failed_op=op, t_enqueue=job.t_enqueue, t_start=t_start,
+            t_ready=t_ready, t_exists_end=t_exists, t_end=time.perf_counter(),
+            trace_parent=job.trace_parent))
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.pool.close()
+        self._save_queue.put(None)
+        self._save_thread.join(5.0)
+        for sub in self.subscribers:
+            if hasattr(sub, "shutdown"):
+                sub.shutdown()
+        self._store.close()
+

@@ -1,0 +1,178 @@
+"""Start a real Mooncake master (and optionally a standalone store node) on free loopback ports.
+
+Used by the tests, the demo and the benchmark: everything runs the same binaries as production
+(`mooncake_master`, `mooncake_client` from the Mooncake wheel), protocol tcp on 127.0.0.1, with the
+master's built-in HTTP metadata server. Not used by the connector itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A currently free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _binary(name: str) -> str:
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found; run scripts/setup.sh")
+    return found
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{what} did not open port {port} within {timeout}s")
+
+
+@dataclass
+class MooncakeMaster:
+    """A `mooncake_master` process with its HTTP metadata server and metrics port."""
+
+    rpc_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mooncake-master-"))
+    extra_args: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://{HOST}:{self.http_port}/metadata"
+
+    def start(self) -> MooncakeMaster:
+        args = [
+            _binary("mooncake_master"),
+            f"--rpc_port={self.rpc_port}",
+            f"--rpc_address={HOST}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={HOST}",
+            f"--http_metadata_server_port={self.http_port}",
+            f"--metrics_host={HOST}",
+            f"--metrics_port={self.metrics_port}",
+            "--rpc_enable_tcp_no_delay=true",
+            *self.extra_args,
+        ]
+        log = open(Path(self.log_dir) / "master.log", "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        _wait_port(self.rpc_port, self.proc, "mooncake_master")
+        _wait_port(self.http_port, self.proc, "mooncake_master metadata server")
+        return self
+
+    def metrics_text(self) -> str:
+        url = f"http://{HOST}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+    def store_config(self, **overrides) -> dict:
+        """The Mooncake fields of the connector config that point at this master."""
+        cfg = {
+            "metadata_server": self.metadata_server,
+            "master_server_address": self.address,
+            "protocol": "tcp",
+            "local_hostname": HOST,
+        }
+        cfg.update(overrides)
+        return cfg
+
+    def write_config_file(self, path: str | os.PathLike, **overrides) -> str:
+        Path(path).write_text(json.dumps(self.store_config(**overrides)))
+        return str(path)
+
+
+@dataclass
+class StoreNode:
+    """A standalone `mooncake_client` that contributes a global segment to the pool.
+
+    Blocks placed on it outlive the engines that wrote them, as in production.
+    """
+
+    master: MooncakeMaster
+    segment_size: str = "1GB"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> StoreNode:
+        args = [
+            _binary("mooncake_client"),
+            f"--master_server_address={self.master.address}",
+            f"--metadata_server={self.master.metadata_server}",
+            f"--host={HOST}",
+            f"--port={self.port}",
+            "--protocol=tcp",
+            f"--global_segment_size={self.segment_size}",
+            "--local_buffer_size=16MB",
+        ]
+        log = open(Path(self.master.log_dir) / f"store-node-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        _wait_port(self.port, self.proc, "mooncake_client store node")
+        _wait_segment_mounted(self.master)
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+
+def _wait_segment_mounted(master: MooncakeMaster, timeout: float = 20.0) -> None:
+    """Block until the master reports some mounted capacity (the node finished mounting)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            for line in master.metrics_text().splitlines():
+                if line.startswith("master_total_capacity_bytes") and float(line.split()[-1]) > 0:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("store node did not mount its segment on the master in time")
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)

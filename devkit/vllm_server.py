@@ -1,0 +1,146 @@
+"""Start a real `vllm serve` (optionally with the connector) on a free loopback port, and talk
+to it. Shared by the tests, the demo and the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from devkit.local_cluster import HOST, free_port
+
+BLOCK_SIZE = 32
+REPO = Path(__file__).resolve().parent.parent
+
+
+def connector_kv_config(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "PooledMooncakeStoreConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """`name{labels}` -> value, for every sample in a Prometheus exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of every sample of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, v in samples.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{val}"' in rest for k, val in labels.items()):
+            total += v
+    return total
+
+
+@dataclass
+class VllmServer:
+    model: str
+    kv_config: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    port: int = field(default_factory=free_port)
+    log_path: str = field(default_factory=lambda: tempfile.mktemp(prefix="vllm-", suffix=".log"))
+    max_model_len: int = 2048
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(Path(sys.executable).parent / "vllm"), "serve", self.model,
+            "--host", HOST, "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", str(self.max_model_len), "--dtype", "bfloat16",
+            "--max-num-seqs", "32", "--seed", "0", *self.extra_args,
+        ]
+        if self.kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        return cmd
+
+    def start(self, timeout: float = 240.0) -> VllmServer:
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **self.env}
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vllm serve not healthy in {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 120) -> Any:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+        return json.loads(raw) if raw else None
+
+    def complete(self, prompt_ids: list[int], max_tokens: int = 8) -> list[int]:
+        """Greedy completion of a token-id prompt; returns the generated token ids."""
+        out = self.post("/v1/completions", {
+            "model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+            "temperature": 0.0, "return_token_ids": True, "ignore_eos": True,
+        })
+        return out["choices"][0]["token_ids"]
+
+    def reset_prefix_cache(self) -> None:
+        self.post("/reset_prefix_cache")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return parse_metrics(r.read().decode())
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,162 @@
+"""The worker's load and save paths against a real Mooncake master and store, without vLLM's
+engine: real KV-shaped tensors on CPU, real store calls, real failures (-704, -600, a job whose
+preparation raises).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import torch
+
+from connector.config import load_config
+from connector.keys import KeyBuilder, Layout
+from connector.metadata import BlockTransfer, StepMetadata
+from connector.worker import MooncakeStoreWorker
+
+NUM_BLOCKS = 64
+LAYERS = 2
+
+
+def kv_caches(heads: int = 2, seed: int | None = 0) -> dict[str, torch.Tensor]:
+    """CPU-layout caches: [2 (K/V), num_blocks, heads, block_size, head_size] per layer."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (2, NUM_BLOCKS, heads, 32, 32)
+    return {f"layer.{i}": (torch.randn(shape, generator=g) if g else torch.zeros(shape))
+            .to(torch.bfloat16) for i in range(LAYERS)}
+
+
+def hashes(tag: str, n: int) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n))
+
+
+@pytest.fixture
+def make_worker(master, store_node):
+    workers: list[MooncakeStoreWorker] = []
+
+    def make(threads: int = 4, heads: int = 2, caches=None, prefix: str = "unit",
+             **extra) -> MooncakeStoreWorker:
+        cfg = load_config(master.store_config(global_segment_size=0, local_buffer_size="32MB",
+                                              load_threads=threads, **extra), environ={})
+        layout = Layout("unit-model", "bfloat16", 32, 2, 32, LAYERS, 1)
+        w = MooncakeStoreWorker(cfg, KeyBuilder(prefix, layout), 0, NUM_BLOCKS)
+        w.register_kv_caches(caches if caches is not None else kv_caches(heads))
+        workers.append(w)
+        return w
+
+    yield make
+    for w in workers:
+        w.shutdown()
+
+
+def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 30.0
+             ) -> tuple[set[str], set[int]]:
+    """Submit a step's loads and saves, then poll like vLLM until every request reports."""
+    worker.note_free_after(meta)
+    worker.start_load(meta)
+    worker.start_save(meta)
+    want = {t.req_id for t in meta.loads} | set(meta.free_after_jobs)
+    seen: set[str] = set()
+    errors: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while not want <= seen:
+        assert time.monotonic() < deadline, f"requests never finished: {want - seen}"
+        errors |= worker.get_load_errors()  # polled before completions, as vLLM does
+        sending, recving = worker.get_finished()
+        seen |= (sending or set()) | (recving or set())
+        time.sleep(0.005)
+    errors |= worker.get_load_errors()
+    return seen, errors
+
+
+def save(worker, req_id, block_ids, hs):
+    run_step(worker, StepMetadata(saves=(BlockTransfer(req_id, tuple(block_ids), hs),),
+                                  free_after_jobs=(req_id,)))
+
+
+def test_saved_blocks_load_back_byte_exact(make_worker):
+    src = kv_caches(seed=1)
+    writer = make_worker(caches=src, prefix="exact")
+    hs = hashes("exact", 8)
+    save(writer, "w", range(8), hs)
+    dst = kv_caches(seed=None)
+    reader = make_worker(caches=dst, prefix="exact")
+    done, errors = run_step(reader, StepMetadata(
+        loads=(BlockTransfer("r", tuple(range(20, 28)), hs),)))
+    assert done == {"r"} and errors == set()
+    for name in src:
+        assert torch.equal(dst[name][:, 20:28], src[name][:, 0:8])
+        assert not dst[name][:, 0:8].any()  # nothing written outside the target blocks
+
+
+def test_burst_spreads_over_all_threads(make_worker):
+    w = make_worker(threads=4, prefix="burst")
+    hs = hashes("burst", 32)
+    save(w, "seed", range(32), hs)
+    loads = tuple(BlockTransfer(f"r{i}", tuple(range(32)), hs) for i in range(48))
+    done, errors = run_step(w, StepMetadata(loads=loads))
+    assert errors == set() and len(done) == 48
+    assert all(n > 0 for n in w.pool.jobs_done), w.pool.jobs_done
+    stats = w.recorder.snapshot().data
+    for t in range(4):
+        assert stats["c"][f"load_jobs|0|{t}|ok"] > 0
+        assert stats["c"][f"load_bytes|0|{t}"] > 0
+
+
+def test_missing_key_reports_exactly_its_blocks(make_worker):
+    w = make_worker(prefix="missing")
+    hs = hashes("missing", 6)
+    save(w, "seed", (0, 1, 3, 4, 5), hs[:2] + hs[3:])  # block 2's key is never stored
+    block_ids = (40, 41, 42, 43, 44, 45)
+    stored = (hs[0], hs[1], hashes("absent", 1)[0], hs[3], hs[4], hs[5])
+    done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("r", block_ids, stored),)))
+    assert done == {"r"}
+    assert errors == {42}
+    assert w.recorder.snapshot().data["c"]["failures|0|load|-704"] == 1
+
+
+def test_too_small_buffer_reports_its_blocks(make_worker):
+    big = make_worker(heads=2, prefix="small")
+    hs = hashes("small", 4)
+    save(big, "seed", range(4), hs)
+    small = make_worker(heads=1, prefix="small")  # same keys, half-size blocks
+    done, errors = run_step(small, StepMetadata(
+        loads=(BlockTransfer("r", (10, 11, 12, 13), hs),)))
+    assert done == {"r"} and errors == {10, 11, 12, 13}
+    assert small.recorder.snapshot().data["c"]["failures|0|load|-600"] == 1
+
+
+def test_preparation_error_reports_every_block_and_finishes(make_worker):
+    w = make_worker(prefix="prep")
+    bad = BlockTransfer("bad", (5, 6, 7), ("not", "bytes", "hashes"))  # .hex() raises
+    hs = hashes("prep", 2)
+    save(w, "seed", range(2), hs)
+    good = BlockTransfer("good", (8, 9), hs)
+    done, errors = run_step(w, StepMetadata(loads=(bad, good)))
+    assert done == {"bad", "good"}
+    assert errors == {5, 6, 7}
+    # The thread that hit the exception keeps serving the queue.
+    done, errors = run_step(w, StepMetadata(loads=tuple(
+        BlockTransfer(f"again{i}", (8, 9), hs) for i in range(8))))
+    assert len(done) == 8 and errors == set()
+
+
+def test_saves_skip_keys_already_stored(make_worker):
+    w = make_worker(prefix="dedup")
+    hs = hashes("dedup", 5)
+    save(w, "a", range(3), hs[:3])
+    w.recorder.snapshot()
+    save(w, "b", range(5), hs)
+    c = w.recorder.snapshot().data["c"]
+    assert c["save_skipped_keys|0"] == 3 and c["save_keys|0"] == 2
+
+
+def test_preemption_waits_for_inflight_saves(make_worker):
+    w = make_worker(prefix="preempt")
+    hs = hashes("preempt", 48)
+    meta = StepMetadata(saves=(BlockTransfer("p", tuple(range(48)), hs),))
+    w.start_save(meta)
+    w.wait_preempted(StepMetadata(preempted=("p",)))
+    assert w._pending["p"] == 0  # the save finished before the blocks could be reused
