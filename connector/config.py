@@ -139,7 +139,7 @@ class ConnectorConfig:
     enable_save: bool = True
     enable_load: bool = True
     save_decode_tokens: bool = False
-    master_lookup_sample_ratio: float = 1.0
+    master_lookup_sample_ratio: float = 0.1
     trace_sample_ratio: float | None = None
     on_master_unreachable: str = "fail"
     store_timeout_s: float = 5.0

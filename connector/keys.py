@@ -34,10 +34,12 @@ class Layout:
     pp_rank: int = 0
     hash_algo: str = "sha256"
     cache_layout: str = ""
+    revision: str = ""
 
     def fingerprint(self) -> str:
         text = "|".join(str(v) for v in (
-            self.model, self.dtype, self.block_size, self.num_kv_heads_per_rank, self.head_size,
+            self.model, self.revision, self.dtype, self.block_size,
+            self.num_kv_heads_per_rank, self.head_size,
             self.num_layers, self.tp_size, self.pp_rank, self.hash_algo, self.cache_layout,
         ))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -88,7 +90,8 @@ def layout_from_vllm(vllm_config: Any, model_id: str = "") -> Layout:
         device = ""
     tp = pc.tensor_parallel_size
     return Layout(
-        model=model_id or f"{mc.model}@{getattr(mc, 'revision', None) or ''}",
+        model=model_id or mc.model,
+        revision="" if model_id else (getattr(mc, "revision", None) or ""),
         dtype=dtype,
         block_size=cc.block_size,
         num_kv_heads_per_rank=mc.get_num_kv_heads(pc),

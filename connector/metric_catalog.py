@@ -47,9 +47,9 @@ FAMILIES: tuple[Family, ...] = (
            "Which thread count is each deployment running?"),
     Family("layout_info", "gauge", ("tp_rank", "fingerprint", "hash_algo"), "Always 1; labels give the key-namespace fingerprint and block-hash algorithm.",
            "Do two engines that should share blocks use the same key namespace?"),
-    Family("load_queue_depth", "gauge", _R, "Load jobs waiting in the shared receive queue (sampled each step).",
+    Family("load_queue_depth", "gauge", _R, "Peak number of load jobs waiting in the shared receive queue during the last engine step.",
            "Are the receive threads keeping up?"),
-    Family("load_inflight", "gauge", _T, "Load jobs a receive thread is working on (0 or 1, sampled each step).",
+    Family("load_inflight", "gauge", _T, "1 if the receive thread worked on a load job during the last engine step, else 0.",
            "Which threads are busy right now?"),
     Family("load_queue_wait_seconds", "histogram", _T, "Time a load job waited in the shared queue before a thread took it.",
            "Would more threads cut load latency?"),
@@ -111,3 +111,24 @@ def markdown_table() -> str:
         labels = ", ".join(("model_name", "engine") + f.labels)
         rows.append(f"| `{f.exported}` | {f.kind} | {labels} | {f.help} | {f.question} |")
     return "\n".join(rows)
+
+
+def sync_readme(path: str = "README.md", check: bool = False) -> bool:
+    """Write the family table between the README's markers; with check, only compare."""
+    start, end = "<!-- metric-table:start -->", "<!-- metric-table:end -->"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    new = f"{head}{start}\n{markdown_table()}\n{end}{tail}"
+    if new != text and not check:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new == text
+
+
+if __name__ == "__main__":
+    import sys
+
+    ok = sync_readme(check="--check" in sys.argv)
+    sys.exit(0 if ok or "--check" not in sys.argv else 1)

@@ -29,6 +29,10 @@ class RecvPool(Generic[J]):
         self._handler = handler
         self.inflight = [0] * threads
         self.jobs_done = [0] * threads
+        # High-water marks since the last take_peaks(): a gauge sampled once per engine step
+        # would miss a burst that the threads drain within the step.
+        self._peak_depth = 0
+        self._busy = [0] * threads
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}", daemon=True)
             for i in range(threads)
@@ -42,17 +46,25 @@ class RecvPool(Generic[J]):
 
     def submit(self, job: J) -> None:
         self._queue.put(job)
+        self._peak_depth = max(self._peak_depth, self._queue.qsize())
 
     def depth(self) -> int:
         """Jobs waiting for a thread."""
         return self._queue.qsize()
+
+    def take_peaks(self) -> tuple[int, list[int]]:
+        """Peak queue depth and per-thread busy flags since the previous call."""
+        depth, self._peak_depth = max(self._peak_depth, self.depth()), 0
+        busy = [max(b, f) for b, f in zip(self._busy, self.inflight, strict=True)]
+        self._busy = [0] * len(busy)
+        return depth, busy
 
     def _run(self, index: int) -> None:
         while True:
             job = self._queue.get()
             if job is _STOP:
                 return
-            self.inflight[index] = 1
+            self.inflight[index] = self._busy[index] = 1
             try:
                 self._handler(job, index)
             except Exception:  # the handler reports its own failures; keep serving the queue

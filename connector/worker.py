@@ -173,11 +173,13 @@ class MooncakeStoreWorker:
             self._lock.notify_all()
 
     def _gauges(self) -> dict[str, int]:
-        g = {f"load_queue_depth|{self.tp_rank}": self.pool.depth(),
+        """Sampled at every stats poll; queue depth and in-flight are peaks since the last one."""
+        depth, busy = self.pool.take_peaks()
+        g = {f"load_queue_depth|{self.tp_rank}": depth,
              f"save_queue_depth|{self.tp_rank}": self._save_queue.qsize(),
              f"recv_threads|{self.tp_rank}": self.pool.size,
              self._info_key: 1}
-        for i, v in enumerate(self.pool.inflight):
+        for i, v in enumerate(busy):
             g[f"load_inflight|{self.tp_rank}|{i}"] = v
         return g
 

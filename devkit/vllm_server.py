@@ -78,7 +78,7 @@ class VllmServer:
             str(Path(sys.executable).parent / "vllm"), "serve", self.model,
             "--host", HOST, "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
             "--max-model-len", str(self.max_model_len), "--dtype", "bfloat16",
-            "--max-num-seqs", "32", "--seed", "0", *self.extra_args,
+            "--max-num-seqs", "32", "--seed", "0", "--enforce-eager", *self.extra_args,
         ]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]

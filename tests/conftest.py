@@ -8,12 +8,16 @@ vLLM engines take ~40 s to start here, so each is started once per session and s
 from __future__ import annotations
 
 import random
+import re
+import time
 
+import numpy as np
 import pytest
 
-from devkit.local_cluster import MooncakeMaster, StoreNode
+from devkit.local_cluster import HOST, MooncakeMaster, StoreNode
+from devkit.otlp_collector import RotelCollector
 from devkit.tiny_model import make_tiny_llama
-from devkit.vllm_server import VllmServer, connector_kv_config
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config
 
 PREFIX_TOKENS = 320  # 10 blocks of 32
 SUFFIX_TOKENS = 48
@@ -81,10 +85,68 @@ def filled_store(tiny_model, master, store_node, prompts, reference_outputs) -> 
 
 
 @pytest.fixture(scope="session")
-def pooled_server(tiny_model, master, filled_store):
-    """A fresh engine with 4 receive threads over the filled store, every load path timed."""
+def otlp_collector():
+    collector = RotelCollector().start()
+    yield collector
+    collector.stop()
+
+
+@pytest.fixture(scope="session")
+def pooled_server(tiny_model, master, filled_store, otlp_collector):
+    """A fresh engine with 4 receive threads over the filled store; every load's master lookup
+    is timed and every job is traced to a real OTLP collector."""
     server = VllmServer(tiny_model, connector_kv_config(engine_extra(
         master, cache_prefix=filled_store, load_threads=4, master_lookup_sample_ratio=1.0,
-    ))).start()
+    )), env=otlp_collector.otel_env(sample_ratio=1.0)).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def store_client(master):
+    """A plain Mooncake client, for tests that inspect or tamper with the store."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup(HOST, master.metadata_server, 0, 64 * 2**20, "tcp", "",
+                        master.address) == 0
+    yield client
+    client.close()
+
+
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    """vLLM's own chained block hashes (sha256, the default) for a plain token prompt."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    kcu.init_none_hash(sha256)
+    out, parent = [], None
+    for i in range(len(tokens) // BLOCK_SIZE):
+        parent = kcu.hash_block_tokens(sha256, parent or kcu.NONE_HASH,
+                                       tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+        out.append(parent)
+    return out
+
+
+_JUNK = np.full(1 << 20, 0x5A, dtype=np.uint8)  # bigger than any block: a get returns -600
+
+
+def corrupt_stored_block(server: VllmServer, client, prefix: str, prompt: list[int],
+                         index: int) -> str:
+    """Replace the stored object of one block of `prompt` with one of the wrong size, so the
+    scheduler's lookup still hits but the worker's load fails with -600."""
+    from connector.keys import _slug
+
+    text = "\n".join(server.metrics())
+    fingerprint = re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',
+                            text).group(1)
+    key = (f"{prefix}/{_slug(server.model)}/{fingerprint}/tp1r0/"
+           f"{block_hashes(prompt)[index].hex()}")
+    deadline = time.monotonic() + 10  # the save thread writes after the response returns
+    while client.batch_is_exist([key]) != [1]:
+        assert time.monotonic() < deadline, f"the engine never stored {key}"
+        time.sleep(0.1)
+    assert client.remove(key, True) == 0
+    client.register_buffer(_JUNK.ctypes.data, _JUNK.nbytes)  # idempotent across calls
+    assert client.batch_put_from([key], [_JUNK.ctypes.data], [_JUNK.nbytes]) == [0]
+    return key

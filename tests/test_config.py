@@ -1,0 +1,148 @@
+"""Bad configuration fails at startup with one message naming the field and the fix."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from connector.config import RECV_THREADS_ENV, ConfigError, load_config, parse_size
+from connector.store import StoreHandle, StoreUnavailable, check_reachable
+from devkit.local_cluster import MooncakeMaster, free_port
+from devkit.vllm_server import VllmServer, connector_kv_config
+
+BASE = {"master_server_address": "127.0.0.1:50051",
+        "metadata_server": "http://127.0.0.1:8080/metadata"}
+
+
+def error_for(extra: dict | None = None, environ: dict | None = None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config({**BASE, **(extra or {})}, environ or {})
+    return str(e.value)
+
+
+def test_defaults_and_env_thread_count():
+    cfg = load_config(BASE, {})
+    assert cfg.load_threads == 1 and cfg.store.protocol == "tcp"
+    assert load_config(BASE, {RECV_THREADS_ENV: "8"}).load_threads == 8
+    # extra_config overrides the environment.
+    assert load_config({**BASE, "load_threads": 2}, {RECV_THREADS_ENV: "8"}).load_threads == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "four", "2.5", "65"])
+def test_bad_thread_count_from_env(value):
+    msg = error_for(environ={RECV_THREADS_ENV: value})
+    assert RECV_THREADS_ENV in msg and "1..64" in msg
+
+
+@pytest.mark.parametrize("value", [0, -1, "four", 2.5, True])
+def test_bad_thread_count_from_extra_config(value):
+    msg = error_for({"load_threads": value})
+    assert "load_threads" in msg and "1..64" in msg
+
+
+def test_unknown_protocol():
+    msg = error_for({"protocol": "udp"})
+    assert "protocol" in msg and "'tcp'" in msg
+
+
+def test_rdma_needs_a_device():
+    assert "device_name" in error_for({"protocol": "rdma"})
+
+
+@pytest.mark.parametrize("field", ["global_segment_size", "local_buffer_size"])
+@pytest.mark.parametrize("value", ["4 gigs", "-5", -5, "GB", [4]])
+def test_malformed_sizes(field, value):
+    msg = error_for({field: value})
+    assert field in msg
+
+
+def test_size_units():
+    assert parse_size("4GB", "x") == 4 * 2**30
+    assert parse_size("512MiB", "x") == 512 * 2**20
+    assert parse_size("1.5G", "x") == int(1.5 * 2**30)
+    assert parse_size(1024, "x") == 1024
+
+
+def test_unknown_extra_config_key():
+    msg = error_for({"load_thread": 4})
+    assert "load_thread" in msg and "allowed keys" in msg
+
+
+def test_wrong_types():
+    assert "lookup_timeout_s" in error_for({"lookup_timeout_s": "soon"})
+    assert "enable_save" in error_for({"enable_save": "maybe"})
+    assert "master_server_address" in error_for({"master_server_address": "nohostport"})
+
+
+def test_missing_master_address():
+    with pytest.raises(ConfigError, match="master_server_address: not set"):
+        load_config({"metadata_server": BASE["metadata_server"]}, {})
+
+
+def test_config_file_fallback(tmp_path):
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({**BASE, "protocol": "tcp", "global_segment_size": "1GB"}))
+    cfg = load_config({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+    assert cfg.store.global_segment_size == 2**30
+    assert cfg.source["global_segment_size"] == "MOONCAKE_CONFIG_PATH"
+
+
+def test_missing_config_file(tmp_path):
+    msg = error_for(environ={"MOONCAKE_CONFIG_PATH": str(tmp_path / "nope.json")})
+    assert "MOONCAKE_CONFIG_PATH" in msg and "does not exist" in msg
+
+
+def test_invalid_json_config_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"protocol": "tcp",')
+    msg = error_for(environ={"MOONCAKE_CONFIG_PATH": str(path)})
+    assert "MOONCAKE_CONFIG_PATH" in msg and "not valid JSON" in msg and "line 1" in msg
+
+
+def test_bad_value_in_config_file_names_the_file(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({**BASE, "global_segment_size": "lots"}))
+    with pytest.raises(ConfigError, match="MOONCAKE_CONFIG_PATH.global_segment_size"):
+        load_config({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({**BASE, "protocl": "tcp"}))
+    assert "protocl" in error_for(environ={"MOONCAKE_CONFIG_PATH": str(path)})
+
+
+def test_master_unreachable_fails_fast():
+    cfg = load_config({**BASE, "master_server_address": f"127.0.0.1:{free_port()}"}, {})
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="master_server_address.*unreachable"):
+        check_reachable(cfg.store, timeout=1.0)
+    assert time.monotonic() - t0 < 5
+
+
+def test_degrade_mode_serves_without_store_then_connects():
+    late = MooncakeMaster()  # ports chosen, not started yet
+    cfg = load_config(late.store_config(on_master_unreachable="degrade"), {})
+    handle = StoreHandle(cfg.store, 0, 16 * 2**20, "degrade", timeout=0.5, retry_s=0.2)
+    try:
+        assert handle.client is None  # serving without the cache, no exception
+        late.start()
+        deadline = time.monotonic() + 30
+        while handle.client is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert handle.client is not None and handle.client.health_check() == 0
+    finally:
+        handle.close()
+        late.stop()
+
+
+def test_vllm_refuses_to_start_with_bad_thread_count(tiny_model, master):
+    """The whole engine stops at startup with the field named, instead of hanging."""
+    server = VllmServer(tiny_model, connector_kv_config(master.store_config(load_threads=0)))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        server.start(timeout=180)
+    assert time.monotonic() - t0 < 180
+    assert "load_threads: must be 1..64, got 0" in server.log_tail(400), e.value

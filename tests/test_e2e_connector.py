@@ -1,0 +1,62 @@
+"""End to end in real vLLM: engine A fills the store and exits; fresh engines B (1 and 4
+receive threads) get their prefixes from the store and produce exactly the outputs of an engine
+without the connector. A load that fails in the engine is recomputed with correct output.
+"""
+
+from __future__ import annotations
+
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
+from tests.conftest import corrupt_stored_block, engine_extra
+
+
+def serve_from_store(server: VllmServer, prompts: list[list[int]]) -> tuple[list, dict]:
+    before = server.metrics()
+    outputs = [server.complete(p) for p in prompts]
+    after = server.metrics()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return outputs, delta
+
+
+def check_loaded_from_store(delta: dict, threads: int) -> None:
+    assert metric_sum(delta, "vllm:external_prefix_cache_hits_total") > 0
+    assert metric_sum(delta, "vllm:mooncake_pool_load_bytes_total") > 0
+    assert metric_sum(delta, "vllm:mooncake_pool_load_jobs_total", status="error") == 0
+    assert metric_sum(delta, "vllm:mooncake_pool_recv_threads") in (0, threads)
+
+
+def test_fresh_engine_one_thread_loads_from_store(tiny_model, master, filled_store, prompts,
+                                                  reference_outputs):
+    server = VllmServer(tiny_model, connector_kv_config(
+        engine_extra(master, cache_prefix=filled_store, load_threads=1))).start()
+    try:
+        outputs, delta = serve_from_store(server, prompts)
+    finally:
+        server.stop()
+    assert outputs == reference_outputs
+    check_loaded_from_store(delta, 1)
+
+
+def test_fresh_engine_four_threads_loads_from_store(pooled_server, prompts, reference_outputs):
+    outputs, delta = serve_from_store(pooled_server, prompts)
+    assert outputs == reference_outputs
+    check_loaded_from_store(delta, 4)
+    assert pooled_server.metrics()[
+        f'vllm:mooncake_pool_recv_threads{{engine="0",model_name="{pooled_server.model}",'
+        'tp_rank="0"}'] == 4
+
+
+def test_failed_load_in_engine_is_recomputed(pooled_server, store_client, filled_store):
+    """Replace one stored block with an object of the wrong size: the lookup still hits, the
+    load fails with -600, vLLM recomputes, and the output is unchanged."""
+    prompt = [7 + (i * 37) % 900 for i in range(6 * BLOCK_SIZE + 5)]
+    first = pooled_server.complete(prompt)  # computed from scratch, blocks saved
+    corrupt_stored_block(pooled_server, store_client, filled_store, prompt, 3)
+    pooled_server.reset_prefix_cache()
+    before = pooled_server.metrics()
+    again = pooled_server.complete(prompt)
+    after = pooled_server.metrics()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert again == first
+    assert metric_sum(delta, "vllm:mooncake_pool_failures_total", op="load", code="-600") == 1
+    assert metric_sum(delta, "vllm:mooncake_pool_load_error_blocks_total") == 1
+    assert metric_sum(delta, "vllm:mooncake_pool_load_jobs_total", status="error") == 1
