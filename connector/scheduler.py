@@ -20,7 +20,12 @@ from connector.events import LookupEvent
 from connector.keys import KeyBuilder
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.stats import StatsRecorder
-from connector.store import EXCEPTION_CODE, StoreHandle, error_code_label
+from connector.store import (
+    EXCEPTION_CODE,
+    MASTER_DOWN_CODES,
+    StoreHandle,
+    error_code_label,
+)
 
 logger = logging.getLogger(__name__)
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
@@ -88,7 +93,10 @@ class MooncakeStoreScheduler:
     def _poll_lookup(self, rid: str, hashes: Sequence[bytes]) -> int | None:
         lk = self._lookups.get(rid)
         if lk is None:
-            if self._store.client is None:
+            if self._store.ready() is None:
+                self.recorder.on_lookup(LookupEvent(
+                    "error", 0, 0, len(hashes) * self._block_size, 0.0,
+                    self._store.down_code or "unavailable"))
                 return 0
             lk = self._lookups[rid] = _Lookup(
                 self._executor.submit(self._lookup, tuple(hashes)), time.perf_counter())
@@ -119,6 +127,8 @@ class MooncakeStoreScheduler:
                 probed += len(keys)
                 res = self._store.client.batch_is_exist(keys)
                 if any(r < 0 for r in res):
+                    if min(res) in MASTER_DOWN_CODES:
+                        self._store.trip(min(res))
                     raise LookupFailed(error_code_label(min(res)))
                 n = next((i for i in range(len(chunk)) if 0 in res[i * tp:(i + 1) * tp]),
                          len(chunk))

@@ -35,6 +35,9 @@ ERROR_NAMES = {
 }
 # Label value for failures that are Python exceptions rather than store return codes.
 EXCEPTION_CODE = "exception"
+# Codes that mean the master itself is gone: stop calling it until a probe says it is back.
+MASTER_DOWN_CODES = frozenset({-900, -901})
+PROBE_KEY = "__mcpool_probe__"
 
 
 class StoreUnavailable(ConfigError):
@@ -95,21 +98,28 @@ def error_code_label(code: int) -> str:
 
 
 class StoreHandle:
-    """The process's store client, or None while the master is unreachable.
+    """The process's store client, with a circuit breaker for a dead master.
 
     on_master_unreachable="fail": open now, raise StoreUnavailable on failure.
     "degrade": if the first attempt fails, serve without the cache (every lookup a miss, no
     saves) and retry in a background thread every `retry_s` seconds; `on_connect` callbacks
     run once the client exists (the worker registers its KV buffers there).
+
+    Once running, a call that returns an RPC failure trips the breaker (`trip`): `ready()`
+    returns None, so every job fails at once and vLLM recomputes, instead of each one waiting
+    seconds for its own RPC to fail. A probe thread closes the breaker when the master answers.
     """
 
     def __init__(self, cfg: StoreConfig, global_segment_size: int, local_buffer_size: int,
-                 mode: str, timeout: float, retry_s: float = 5.0) -> None:
+                 mode: str, timeout: float, retry_s: float = 5.0, probe_s: float = 0.5) -> None:
         self._args = (cfg, global_segment_size, local_buffer_size, timeout)
         self._retry_s = retry_s
+        self._probe_s = probe_s
         self._callbacks: list = []
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self.client: Any = None
+        self.down_code: str = ""  # the code that tripped the breaker; "" while healthy
         try:
             self.client = open_store(*self._args)
         except StoreUnavailable as e:
@@ -124,6 +134,33 @@ class StoreHandle:
         self._callbacks.append(callback)
         if self.client is not None:
             callback(self.client)
+
+    def ready(self) -> Any:
+        """The client if connected and the breaker is closed, else None."""
+        return None if self.down_code else self.client
+
+    def trip(self, code: int) -> None:
+        """Open the breaker after an RPC failure; a probe thread closes it again."""
+        with self._lock:
+            if self.down_code or self.client is None:
+                return
+            self.down_code = str(code)
+        logger.error("Mooncake master RPC failed (%d %s): failing store calls fast until it "
+                     "answers again", code, ERROR_NAMES.get(code, ""))
+        threading.Thread(target=self._probe, name="mcpool-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        cfg, timeout = self._args[0], self._args[3]
+        while not self._stop.wait(self._probe_s):
+            try:
+                check_reachable(cfg, min(timeout, 1.0))
+                if min(self.client.batch_is_exist([PROBE_KEY])) < 0:
+                    continue
+            except StoreUnavailable:
+                continue
+            logger.info("Mooncake master answers again; store calls resumed")
+            self.down_code = ""
+            return
 
     def _reconnect(self) -> None:
         while not self._stop.wait(self._retry_s):

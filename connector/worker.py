@@ -29,7 +29,12 @@ from connector.kv_regions import BlockRegions, compute_regions
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool
 from connector.stats import StatsRecorder
-from connector.store import EXCEPTION_CODE, StoreHandle, error_code_label
+from connector.store import (
+    EXCEPTION_CODE,
+    MASTER_DOWN_CODES,
+    StoreHandle,
+    error_code_label,
+)
 
 logger = logging.getLogger(__name__)
 PREEMPTION_WAIT_S = 60.0
@@ -38,6 +43,14 @@ PREEMPTION_WAIT_S = 60.0
 def request_hash(req_id: str) -> str:
     """A short stable digest of a request id, for span attributes and logs (never labels)."""
     return hashlib.blake2b(req_id.encode(), digest_size=8).hexdigest()
+
+
+class StoreDown(Exception):
+    """No call was made: the store is not connected or its master is known to be down."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 @dataclass(slots=True)
@@ -57,6 +70,7 @@ class MooncakeStoreWorker:
         self._num_blocks = num_blocks
         self._regions: BlockRegions | None = None
         self._kv_caches: dict[str, Any] = {}
+        self._closed = False
         self._store = StoreHandle(
             config.store, config.store.global_segment_size, config.store.local_buffer_size,
             config.on_master_unreachable, config.store_timeout_s)
@@ -190,6 +204,18 @@ class MooncakeStoreWorker:
             except Exception:  # observability must never break the data path
                 logger.exception("subscriber %r failed", sub)
 
+    def _connected(self) -> Any:
+        """The store client, or StoreDown when there is none or the breaker is open."""
+        client = self._store.ready()
+        if client is None or self._regions is None:
+            raise StoreDown(self._store.down_code or "unavailable")
+        return client
+
+    def _check_master(self, results: list[int]) -> None:
+        down = next((r for r in results if r in MASTER_DOWN_CODES), None)
+        if down is not None:
+            self._store.trip(down)
+
     # ---- load job (runs on a receive thread) -----------------------------------------------
     def _load(self, job: _Job, thread: int) -> None:
         t = job.transfer
@@ -198,9 +224,7 @@ class MooncakeStoreWorker:
         sampled = False
         code, failed, nbytes = "", list(t.block_ids), 0
         try:
-            client = self._store.client
-            if client is None or self._regions is None:
-                raise ConnectionError("Mooncake store not connected")
+            client = self._connected()
             keys = self._keys.keys(t.block_hashes, self.tp_rank)
             addrs, sizes = self._regions.addresses(t.block_ids)
             t_prepared = t_lookup_end = time.perf_counter()
@@ -218,6 +242,9 @@ class MooncakeStoreWorker:
             bad = next((r for r in results if r != want), None)
             if bad is not None:
                 code = error_code_label(bad) if bad < 0 else "-600"
+                self._check_master(results)
+        except StoreDown as e:
+            code = e.code
         except Exception as e:  # preparation or transfer: report every block, recompute
             code = EXCEPTION_CODE
             logger.warning("load of %d blocks for %s failed: %r", len(t.block_ids),
@@ -251,14 +278,13 @@ class MooncakeStoreWorker:
             if job.ready is not None:
                 job.ready.synchronize()
             t_ready = t_exists = time.perf_counter()
-            client = self._store.client
-            if client is None or self._regions is None:
-                raise ConnectionError("Mooncake store not connected")
+            client = self._connected()
             keys = self._keys.keys(t.block_hashes, self.tp_rank)
             exists = client.batch_is_exist(keys)
             t_exists = time.perf_counter()
             if any(e < 0 for e in exists):
                 code, op = error_code_label(min(exists)), "save_exists"
+                self._check_master(exists)
             new = [i for i, e in enumerate(exists) if e != 1]
             skipped = len(keys) - len(new)
             if new:
@@ -271,7 +297,10 @@ class MooncakeStoreWorker:
                 errs = [r for r in results if r < 0 and r != -705]
                 if errs:
                     code, op = error_code_label(errs[0]), "save"
+                    self._check_master(errs)
                 nbytes = stored * self._regions.block_bytes
+        except StoreDown as e:
+            code, op = e.code, "save"
         except Exception as e:
             code, op = EXCEPTION_CODE, "save"
             logger.warning("save for %s failed: %r", request_hash(t.req_id), e)
@@ -285,6 +314,9 @@ class MooncakeStoreWorker:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.pool.close()
         self._save_queue.put(None)
         self._save_thread.join(5.0)

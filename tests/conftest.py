@@ -18,6 +18,7 @@ from devkit.local_cluster import HOST, MooncakeMaster, StoreNode
 from devkit.otlp_collector import RotelCollector
 from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config
+from tests.worker_kit import make_worker_on  # noqa: F401 - shared fixture
 
 PREFIX_TOKENS = 320  # 10 blocks of 32
 SUFFIX_TOKENS = 48

@@ -5,71 +5,16 @@ preparation raises).
 
 from __future__ import annotations
 
-import hashlib
-import time
-
 import pytest
 import torch
 
-from connector.config import load_config
-from connector.keys import KeyBuilder, Layout
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.worker import MooncakeStoreWorker
-
-NUM_BLOCKS = 64
-LAYERS = 2
-
-
-def kv_caches(heads: int = 2, seed: int | None = 0) -> dict[str, torch.Tensor]:
-    """CPU-layout caches: [2 (K/V), num_blocks, heads, block_size, head_size] per layer."""
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = (2, NUM_BLOCKS, heads, 32, 32)
-    return {f"layer.{i}": (torch.randn(shape, generator=g) if g else torch.zeros(shape))
-            .to(torch.bfloat16) for i in range(LAYERS)}
-
-
-def hashes(tag: str, n: int) -> tuple[bytes, ...]:
-    return tuple(hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n))
+from tests.worker_kit import hashes, kv_caches, run_step
 
 
 @pytest.fixture
-def make_worker(master, store_node):
-    workers: list[MooncakeStoreWorker] = []
-
-    def make(threads: int = 4, heads: int = 2, caches=None, prefix: str = "unit",
-             **extra) -> MooncakeStoreWorker:
-        cfg = load_config(master.store_config(global_segment_size=0, local_buffer_size="32MB",
-                                              load_threads=threads, **extra), environ={})
-        layout = Layout("unit-model", "bfloat16", 32, 2, 32, LAYERS, 1)
-        w = MooncakeStoreWorker(cfg, KeyBuilder(prefix, layout), 0, NUM_BLOCKS)
-        w.register_kv_caches(caches if caches is not None else kv_caches(heads))
-        workers.append(w)
-        return w
-
-    yield make
-    for w in workers:
-        w.shutdown()
-
-
-def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 30.0
-             ) -> tuple[set[str], set[int]]:
-    """Submit a step's loads and saves, then poll like vLLM until every request reports."""
-    worker.note_free_after(meta)
-    worker.start_load(meta)
-    worker.start_save(meta)
-    want = {t.req_id for t in meta.loads} | set(meta.free_after_jobs)
-    seen: set[str] = set()
-    errors: set[int] = set()
-    deadline = time.monotonic() + timeout
-    while not want <= seen:
-        assert time.monotonic() < deadline, f"requests never finished: {want - seen}"
-        errors |= worker.get_load_errors()  # polled before completions, as vLLM does
-        sending, recving = worker.get_finished()
-        seen |= (sending or set()) | (recving or set())
-        time.sleep(0.005)
-    errors |= worker.get_load_errors()
-    return seen, errors
-
+def make_worker(make_worker_on, master, store_node):
+    return lambda **kw: make_worker_on(master, **kw)
 
 def save(worker, req_id, block_ids, hs):
     run_step(worker, StepMetadata(saves=(BlockTransfer(req_id, tuple(block_ids), hs),),

@@ -1,0 +1,145 @@
+"""Faults degrade to recompute: the master or the store node dies during a burst of loads, the
+store is full. Every request completes with the right output, errors are counted by code, and
+the cache comes back without restarting vLLM.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from connector.metadata import BlockTransfer, StepMetadata
+from devkit.local_cluster import MooncakeMaster, StoreNode
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
+from tests.conftest import engine_extra
+from tests.worker_kit import hashes, run_step
+
+P = "vllm:mooncake_pool_"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    master = MooncakeMaster().start()
+    node = StoreNode(master, segment_size="256MB").start()
+    yield master, node
+    node.stop()
+    master.stop()
+
+
+@pytest.fixture(scope="module")
+def fault_server(tiny_model, cluster):
+    master, _ = cluster
+    server = VllmServer(tiny_model, connector_kv_config(engine_extra(
+        master, cache_prefix="faults", load_threads=4, lookup_timeout_s=1.0))).start()
+    yield server
+    server.stop()
+
+
+def prompts(seed: int, n: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(10 * BLOCK_SIZE + 7)] for _ in range(n)]
+
+
+def fill_then_burst(server: VllmServer, work: list[list[int]], fault) -> tuple[list, float]:
+    """Serve `work` once (computed, saved), drop vLLM's local cache, then serve it again as a
+    concurrent burst while `fault()` runs; returns (reference outputs, seconds after the fault
+    until the whole burst completed) after checking every output."""
+    reference = [server.complete(p) for p in work]
+    time.sleep(1.0)  # saves drain
+    server.reset_prefix_cache()
+    faulted_at: list[float] = []
+
+    def inject() -> None:
+        time.sleep(0.05)
+        fault()
+        faulted_at.append(time.monotonic())
+
+    injector = threading.Thread(target=inject)
+    with ThreadPoolExecutor(len(work)) as pool:
+        injector.start()
+        outputs = list(pool.map(server.complete, work))
+    done = time.monotonic()
+    injector.join()
+    assert outputs == reference, "a request affected by the fault produced different output"
+    return reference, done - faulted_at[0]
+
+
+def wait_for_cache(server: VllmServer, seed: int, timeout: float = 60.0) -> None:
+    """The cache works again: a new prompt is saved, then loaded back from the store."""
+    deadline = time.monotonic() + timeout
+    while True:
+        prompt = prompts(seed + int(time.monotonic() * 1000), 1)[0]
+        first = server.complete(prompt)
+        time.sleep(0.5)
+        server.reset_prefix_cache()
+        before = server.metrics()
+        assert server.complete(prompt) == first
+        delta = metric_sum(server.metrics(), P + "load_bytes_total") - metric_sum(
+            before, P + "load_bytes_total")
+        if delta > 0:
+            return
+        assert time.monotonic() < deadline, "the cache never came back after the fault"
+        time.sleep(1.0)
+
+
+def test_master_killed_during_burst(fault_server, cluster):
+    master, _ = cluster
+    before = fault_server.metrics()
+    _, after_fault = fill_then_burst(fault_server, prompts(1), master.stop)
+    assert after_fault < 10.0, f"burst took {after_fault:.1f}s after the master died"
+    m = fault_server.metrics()
+    failed = metric_sum(m, P + "failures_total", code="-900") - metric_sum(
+        before, P + "failures_total", code="-900")
+    failed += metric_sum(m, P + "lookups_total", result="error") - metric_sum(
+        before, P + "lookups_total", result="error")
+    assert failed > 0, "errors while the master was down should be counted"
+    master.start()  # same ports: the engine reconnects without a restart
+    wait_for_cache(fault_server, 100)
+
+
+def test_store_node_killed_during_burst(fault_server, cluster):
+    _, node = cluster
+    before = fault_server.metrics()
+    _, after_fault = fill_then_burst(fault_server, prompts(2), node.stop)
+    assert after_fault < 10.0
+    m = fault_server.metrics()
+    assert metric_sum(m, P + "failures_total") > metric_sum(before, P + "failures_total")
+    node.start()
+    wait_for_cache(fault_server, 200)
+
+
+def test_full_store_rejects_saves_and_keeps_serving(make_worker_on):
+    master = MooncakeMaster().start()
+    node = StoreNode(master, segment_size="16MB").start()
+    try:
+        w = make_worker_on(master, prefix="full", heads=16)
+        hs = hashes("full", 192)  # 192 x 128 KiB blocks (24 MiB) into a 16 MB segment
+        for i in range(0, 192, 32):
+            run_step(w, StepMetadata(saves=(BlockTransfer(f"s{i}", tuple(range(32)),
+                                                          hs[i:i + 32]),),
+                                     free_after_jobs=(f"s{i}",)))
+        c = w.recorder.snapshot().data["c"]
+        assert c.get("save_keys|0", 0) > 0
+        rejected = sum(v for k, v in c.items() if k.startswith("failures|0|save|"))
+        assert rejected > 0, c
+        # Loads of what did fit keep working.
+        done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("r", (0,), hs[:1]),)))
+        assert done == {"r"}
+    finally:
+        node.stop()
+        master.stop()
+
+
+def test_shutdown_does_not_hang_with_jobs_queued(make_worker_on, cluster):
+    master, _ = cluster
+    w = make_worker_on(master, prefix="shutdown", threads=2)
+    hs = hashes("shutdown", 16)
+    w.start_load(StepMetadata(loads=tuple(BlockTransfer(f"q{i}", tuple(range(16)), hs)
+                                          for i in range(200))))
+    t0 = time.monotonic()
+    w.shutdown()
+    assert time.monotonic() - t0 < 15
