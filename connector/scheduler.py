@@ -208,6 +208,10 @@ class MooncakeStoreScheduler:
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():
             self._loading.discard(rid)
+            # A request comes back to the lookup only if its load failed and vLLM recomputes
+            # it: answer "nothing more in the store" so it is never re-loaded in a loop.
+            if rid in self._hits:
+                self._hits[rid] = 0
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Hold the blocks while a job may still touch them.

@@ -60,3 +60,23 @@ def test_failed_load_in_engine_is_recomputed(pooled_server, store_client, filled
     assert metric_sum(delta, "vllm:mooncake_pool_failures_total", op="load", code="-600") == 1
     assert metric_sum(delta, "vllm:mooncake_pool_load_error_blocks_total") == 1
     assert metric_sum(delta, "vllm:mooncake_pool_load_jobs_total", status="error") == 1
+
+
+def test_disable_log_stats_serves_from_store(tiny_model, master, filled_store, prompts,
+                                             reference_outputs):
+    """With --disable-log-stats vLLM discards connector stats; loads must work all the same.
+    Evidence of loads comes from the master's own counter of replica lookups."""
+    def replica_lookups() -> float:
+        return sum(float(line.split()[-1]) for line in master.metrics_text().splitlines()
+                   if line.startswith("master_get_replica_list_requests_total"))
+
+    server = VllmServer(tiny_model, connector_kv_config(engine_extra(
+        master, cache_prefix=filled_store, load_threads=2)),
+        extra_args=("--disable-log-stats",)).start()
+    try:
+        before = replica_lookups()
+        outputs = [server.complete(p) for p in prompts]
+        assert outputs == reference_outputs
+        assert replica_lookups() > before
+    finally:
+        server.stop()

@@ -1,0 +1,115 @@
+"""Scheduler side against a real master: lookups never stall or raise, hits are block-aligned
+and capped, a failed load is never retried in a loop, and blocks are held while jobs run."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from connector.config import load_config
+from connector.keys import KeyBuilder, Layout
+from connector.scheduler import MooncakeStoreScheduler
+from devkit.local_cluster import MooncakeMaster
+from tests.worker_kit import hashes
+
+BS = 32
+
+
+def request(rid: str, hs: tuple[bytes, ...], num_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, block_hashes=list(hs), num_tokens=num_tokens,
+                           num_prompt_tokens=num_tokens)
+
+
+def blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def ask(sched, req, computed: int = 0, timeout: float = 10.0):
+    """Call get_num_new_matched_tokens like vLLM: again each step while it answers None."""
+    deadline = time.monotonic() + timeout
+    while (res := sched.get_num_new_matched_tokens(req, computed))[0] is None:
+        assert time.monotonic() < deadline, "lookup never resolved"
+    return res
+
+
+def make(master, **extra) -> MooncakeStoreScheduler:
+    cfg = load_config(master.store_config(**extra), environ={})
+    keys = KeyBuilder("sched", Layout("m", "bfloat16", BS, 2, 32, 2, 2))  # TP=2
+    return MooncakeStoreScheduler(cfg, keys, BS)
+
+
+@pytest.fixture
+def sched(master, store_node):
+    s = make(master)
+    yield s
+    s.shutdown()
+
+
+def store_blocks(client, sched, hs, ranks=(0, 1)):
+    import numpy as np
+
+    buf = np.zeros(64, dtype=np.uint8)
+    client.register_buffer(buf.ctypes.data, buf.nbytes)
+    keys = [k for r in ranks for k in sched._keys.keys(hs, r)]
+    assert client.batch_put_from(keys, [buf.ctypes.data] * len(keys), [64] * len(keys)) == \
+        [0] * len(keys)
+
+
+def test_hit_needs_every_rank_and_is_capped(sched, store_client):
+    hs = hashes("cap", 8)
+    store_blocks(store_client, sched, hs[:6])           # blocks 0-5 on both ranks
+    store_blocks(store_client, sched, hs[6:7], ranks=(0,))  # block 6 on rank 0 only
+    assert ask(sched, request("a", hs, 8 * BS + 5)) == (6 * BS, True)
+    # A prompt that ends exactly on a block boundary keeps its last token to compute.
+    assert ask(sched, request("b", hs[:6], 6 * BS)) == (5 * BS, True)
+    # Tokens vLLM already has locally are not loaded again.
+    assert ask(sched, request("c", hs, 8 * BS + 5), computed=4 * BS) == (2 * BS, True)
+    assert ask(sched, request("d", hashes("none", 4), 4 * BS + 1)) == (0, False)
+
+
+def test_failed_load_is_not_retried(sched, store_client):
+    hs = hashes("retry", 4)
+    store_blocks(store_client, sched, hs)
+    req = request("r", hs, 4 * BS + 1)
+    assert ask(sched, req) == (4 * BS, True)
+    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14]), 4 * BS)
+    meta = sched.build_connector_meta(SimpleNamespace(
+        preempted_req_ids=set(), scheduled_new_reqs=[], num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[])))
+    assert [(t.req_id, t.block_ids) for t in meta.loads] == [("r", (10, 11, 12, 13))]
+    # The load failed; vLLM recomputes and asks again: the answer is now "nothing".
+    sched.update_connector_output(SimpleNamespace(finished_recving={"r"}))
+    assert ask(sched, req) == (0, False)
+
+
+def test_blocks_held_while_loading_or_saved(sched, store_client):
+    hs = hashes("hold", 2)
+    store_blocks(store_client, sched, hs)
+    req = request("h", hs, 2 * BS + 1)
+    ask(sched, req)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3]), 2 * BS)
+    assert sched.request_finished(req, [1, 2, 3]) == (True, None)  # load still in flight
+    idle = request("i", hashes("idle", 1), 10)
+    assert sched.request_finished(idle, []) == (False, None)
+
+
+def test_lookup_error_and_timeout_are_misses():
+    dead = MooncakeMaster()  # never started: every call fails
+    with pytest.raises(Exception, match="unreachable"):
+        make(dead)
+    live = MooncakeMaster().start()
+    try:
+        s = make(live, lookup_timeout_s=0.3, lookup_wait_ms=1)
+        live.stop()  # the master dies after startup
+        req = request("x", hashes("x", 4), 4 * BS + 1)
+        t0 = time.monotonic()
+        assert ask(s, req) == (0, False)
+        assert time.monotonic() - t0 < 10
+        c = s.recorder.snapshot().data["c"]
+        assert c.get("lookups|error", 0) + c.get("lookups|timeout", 0) == 1
+        s.shutdown()
+    finally:
+        live.stop()
