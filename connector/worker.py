@@ -168,8 +168,6 @@ class MooncakeStoreWorker:
             recving, self._done_loads = self._done_loads, set()
             sending = {r for r in self._awaiting_free if not self._pending[r]}
             self._awaiting_free -= sending
-            for r in sending:
-                del self._pending[r]
         return sending or None, recving or None
 
     def get_load_errors(self) -> set[int]:
@@ -184,6 +182,8 @@ class MooncakeStoreWorker:
             if load:
                 self._done_loads.add(req_id)
             self._pending[req_id] -= 1
+            if self._pending[req_id] <= 0:
+                del self._pending[req_id]  # bounded: only requests with jobs in flight
             self._lock.notify_all()
 
     def _gauges(self) -> dict[str, int]:
