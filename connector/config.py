@@ -135,7 +135,7 @@ class ConnectorConfig:
     cache_prefix: str = "mcpool"
     model_id: str = ""
     lookup_timeout_s: float = 2.0
-    lookup_wait_ms: float = 20.0
+    lookup_wait_ms: float = 5.0
     enable_save: bool = True
     enable_load: bool = True
     save_decode_tokens: bool = False

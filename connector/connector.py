@@ -104,6 +104,9 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         return False  # a cache: losing a save never loses a request
 
     # ---- scheduler side --------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler.prefetch(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -72,13 +72,28 @@ class MooncakeStoreScheduler:
         self.recorder = StatsRecorder()
 
     # ---- lookup ----------------------------------------------------------------------------
+    def _lookup_range(self, request: Any) -> int:
+        """Blocks worth looking up: full blocks, leaving at least one token to compute."""
+        return (request.num_tokens - 1) // self._block_size
+
+    def prefetch(self, request: Any) -> None:
+        """Start the lookup when the request arrives, so the scheduler rarely has to wait."""
+        if self.config.enable_load and self._lookup_range(request) > 0:
+            self._submit(request.request_id, request.block_hashes[:self._lookup_range(request)])
+
+    def _submit(self, rid: str, hashes: Sequence[bytes]) -> _Lookup | None:
+        lk = self._lookups.get(rid)
+        if lk is None and self._store.ready() is not None:
+            lk = self._lookups[rid] = _Lookup(
+                self._executor.submit(self._lookup, tuple(hashes)), time.perf_counter())
+        return lk
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         if not self.config.enable_load:
             return 0, False
-        bs = self._block_size
-        max_blocks = (request.num_tokens - 1) // bs  # always leave one token to compute
-        if max_blocks * bs <= num_computed_tokens:
+        max_blocks = self._lookup_range(request)
+        if max_blocks * self._block_size <= num_computed_tokens:
             return 0, False
         rid = request.request_id
         hit = self._hits.get(rid)
@@ -91,15 +106,12 @@ class MooncakeStoreScheduler:
         return (ext, True) if ext > 0 else (0, False)
 
     def _poll_lookup(self, rid: str, hashes: Sequence[bytes]) -> int | None:
-        lk = self._lookups.get(rid)
+        lk = self._submit(rid, hashes)
         if lk is None:
-            if self._store.ready() is None:
-                self.recorder.on_lookup(LookupEvent(
-                    "error", 0, 0, len(hashes) * self._block_size, 0.0,
-                    self._store.down_code or "unavailable"))
-                return 0
-            lk = self._lookups[rid] = _Lookup(
-                self._executor.submit(self._lookup, tuple(hashes)), time.perf_counter())
+            self.recorder.on_lookup(LookupEvent(
+                "error", 0, 0, len(hashes) * self._block_size, 0.0,
+                self._store.down_code or "unavailable"))
+            return 0
         try:
             return lk.future.result(timeout=self.config.lookup_wait_ms / 1e3)
         except cf.TimeoutError:

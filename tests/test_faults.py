@@ -90,6 +90,7 @@ def test_master_killed_during_burst(fault_server, cluster):
     master, _ = cluster
     before = fault_server.metrics()
     _, after_fault = fill_then_burst(fault_server, prompts(1), master.stop)
+    print(f"burst completed {after_fault:.2f}s after the master was killed")
     assert after_fault < 10.0, f"burst took {after_fault:.1f}s after the master died"
     m = fault_server.metrics()
     failed = metric_sum(m, P + "failures_total", code="-900") - metric_sum(
@@ -105,6 +106,7 @@ def test_store_node_killed_during_burst(fault_server, cluster):
     _, node = cluster
     before = fault_server.metrics()
     _, after_fault = fill_then_burst(fault_server, prompts(2), node.stop)
+    print(f"burst completed {after_fault:.2f}s after the store node was killed")
     assert after_fault < 10.0
     m = fault_server.metrics()
     assert metric_sum(m, P + "failures_total") > metric_sum(before, P + "failures_total")
