@@ -1,0 +1,381 @@
+"""Generate the Grafana dashboards from code (grafana-foundation-sdk, Grafana 11.6 flavour).
+
+    python -m dashboards.generate            # rewrite dashboards/*.json
+    python -m dashboards.generate --check    # exit 1 if the committed JSON is out of date
+
+Every panel is one row of the tables below: (title, unit, [(expr, legend), ...]) plus options.
+Metric names come from `connector/metric_catalog.py` through `dashboards.promql`, so a renamed
+family breaks generation (KeyError) instead of leaving a silent "No data" panel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import prometheus as pm
+
+from dashboards.promql import master, quantile, quantile_of, rate, series, vllm
+
+HERE = Path(__file__).resolve().parent
+DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+
+@dataclass(frozen=True)
+class P:
+    """One panel: title, Grafana unit, targets as (PromQL, legend) pairs."""
+
+    title: str
+    unit: str
+    targets: tuple[tuple[str, str], ...]
+    description: str = ""
+    kind: str = "timeseries"  # timeseries | stat | table
+    width: int = 8
+    height: int = 8
+    min: float | None = None
+    max: float | None = None
+    table_value: str | None = "value"  # tables: header of the Value column (None: hide it)
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[P, ...]
+    collapsed: bool = False
+
+
+@dataclass(frozen=True)
+class Dash:
+    uid: str
+    file: str
+    title: str
+    description: str
+    rows: tuple[Row, ...]
+    tags: tuple[str, ...] = field(default=("vllm", "mooncake", "kv-connector"))
+
+
+def p50_p99(key: str, by: str = "thread",
+            who: str = "thread {{thread}}") -> tuple[tuple[str, str], ...]:
+    """p99 (solid) and p50 (dashed) of a connector histogram, per `by`."""
+    who = f" {who}" if who else ""
+    return ((quantile(0.99, key, by), f"p99{who}"), (quantile(0.5, key, by), f"p50{who}"))
+
+
+def vllm_p50_p99(bucket: str, what: str) -> tuple[tuple[str, str], ...]:
+    sel = vllm(bucket)
+    return ((quantile_of(0.99, sel), f"p99 {what}"), (quantile_of(0.5, sel), f"p50 {what}"))
+
+
+def per_thread_and_total(key: str, **extra: str) -> tuple[tuple[str, str], ...]:
+    return (
+        (rate(series(key, **extra), "thread"), "thread {{thread}}"),
+        (rate(series(key, **extra)), "total"),
+    )
+
+
+def hit_ratio(hits: str, queries: str) -> str:
+    return f"{rate(hits)} / {rate(queries)}"
+
+
+def token_hit_ratio() -> str:
+    """hit / (hit + miss); a family nothing has incremented yet counts as 0, so a store that
+    never hits reads 0% instead of "No data"."""
+    hit = f"({rate(series('lookup_hit_tokens'))} or vector(0))"
+    miss = f"({rate(series('lookup_miss_tokens'))} or vector(0))"
+    return f"{hit} / ({hit} + {miss})"
+
+
+# Mooncake master RPCs the connector drives (lookups, exists checks, puts) plus segment mounts.
+MASTER_RPCS = (
+    "batch_get_replica_list",
+    "batch_exist_key",
+    "batch_put_start",
+    "batch_put_end",
+    "batch_put_revoke",
+    "get_replica_list",
+    "mount_segment",
+)
+
+
+def rate_m(name: str) -> str:
+    return f"rate({master(name)}[$__rate_interval])"
+
+
+_BY_RANK = "pod, tp_rank"
+_RANK = "{{pod}} rank {{tp_rank}}"
+
+LOAD_PIPELINE = Dash(
+    uid="mooncake-pool-load",
+    file="load-pipeline.json",
+    title="Mooncake pool / Load pipeline",
+    description="Receive-thread pool of the pooled Mooncake store connector: queue, per-phase "
+    "latency, bandwidth and utilisation per thread.",
+    rows=(
+        Row("Receive pool", (
+            P("Shared load queue depth vs receive threads", "short", (
+                (f"max by ({_BY_RANK}) ({series('load_queue_depth')})", f"queued {_RANK}"),
+                (f"max by ({_BY_RANK}) ({series('recv_threads')})", f"recv_threads {_RANK}"),
+            ), "Jobs waiting in the shared receive queue, sampled each engine step. Staying above "
+               "recv_threads means the pool is saturated (alert MooncakePoolLoadQueueSaturated)."),
+            P("In-flight load jobs per thread", "short", (
+                (f"sum by (thread) ({series('load_inflight')})", "thread {{thread}}"),
+            ), "Jobs each receive thread is working on (0 or 1 per rank), summed over ranks."),
+            P("Receive thread utilisation", "percentunit", (
+                (rate(series("load_busy_seconds"), "thread", agg="avg"), "thread {{thread}}"),
+            ), "Share of wall time each thread spent on jobs (rate of busy seconds), averaged over "
+               "ranks. Near 100% on every thread: add threads.", min=0),
+            P("Receive threads per deployment", "short", (
+                (f"max by (model_name, pod, tp_rank) ({series('recv_threads')})", ""),
+            ), "The configured load_threads (VLLM_MOONCAKE_LOAD_RECV_THREADS) of each pod and "
+               "rank.", kind="table", width=24, height=6, table_value="recv_threads"),
+        )),
+        Row("Latency by phase, per thread (p99 solid, p50 dashed)", (
+            P("Queue wait", "s", p50_p99("load_queue_wait_seconds"),
+              "Time a job waited in the shared queue before a thread took it."),
+            P("Preparation (Python)", "s", p50_p99("load_prepare_seconds"),
+              "Key and address preparation before any store call (GIL-bound work)."),
+            P("Master lookup", "s", p50_p99("load_master_lookup_seconds"),
+              "Replica lookup on the Mooncake master for a job's keys (sampled jobs)."),
+            P("Transfer", "s", p50_p99("load_transfer_seconds"),
+              "Data phase: the batch get minus the master lookup."),
+            P("Whole load job", "s", p50_p99("load_job_seconds"),
+              "From enqueue to completion: what a request waits for its KV from the store."),
+            P("Time to first token (vLLM)", "s",
+              vllm_p50_p99("vllm:time_to_first_token_seconds_bucket", "TTFT"),
+              "vLLM's TTFT, for context: store loads should lower it."),
+        )),
+        Row("Throughput", (
+            P("Load bandwidth per thread and total", "Bps", per_thread_and_total("load_bytes"),
+              "Bytes loaded from the store per second (Grafana scales to MB/s, GB/s)."),
+            P("Load jobs per second", "ops", (
+                (rate(series("load_jobs"), "thread, status"), "thread {{thread}} {{status}}"),
+            ), "Finished load jobs per thread and status (ok / error)."),
+            P("Blocks loaded per second", "ops", per_thread_and_total("load_keys"),
+              "Store keys (one per block and TP rank) loaded per second."),
+        )),
+    ),
+)
+
+ERRORS_AND_STORE = Dash(
+    uid="mooncake-pool-errors",
+    file="errors-and-store.json",
+    title="Mooncake pool / Errors and store",
+    description="Failures, save path, scheduler lookups and hit rate of the pooled Mooncake "
+    "store connector, and the Mooncake master's own metrics.",
+    rows=(
+        Row("Errors", (
+            P("Store failures by op and code", "ops", (
+                (rate(series("failures"), "op, code"), "{{op}} {{code}}"),
+            ), "Failed store operations per second by operation (load, save, save_exists, lookup) "
+               "and Mooncake error code (-704 not found, -600 buffer, -800 transfer, -900 RPC)."),
+            P("Load job error ratio", "percentunit", (
+                (f"({rate(series('load_jobs', status='error'))} or vector(0)) / "
+                 f"{rate(series('load_jobs'))}", "error share"),
+            ), "Share of load jobs that failed (alert MooncakePoolLoadErrorRateHigh).", min=0),
+            P("Blocks failed to load (recomputed)", "ops", (
+                (rate(series("load_error_blocks"), _BY_RANK), _RANK),
+            ), "KV blocks reported to vLLM as failed loads; vLLM recomputes their prefill."),
+        )),
+        Row("Save path", (
+            P("Keys saved vs skipped (already stored)", "ops", (
+                (rate(series("save_keys")), "written"),
+                (rate(series("save_skipped_keys")), "skipped (dedup)"),
+            ), "Keys written to the store per second, and keys not written because the store "
+               "already holds them."),
+            P("Save put latency", "s", p50_p99("save_put_seconds", "tp_rank", "rank {{tp_rank}}"),
+              "Store put of a save job's new blocks."),
+            P("Save wait for KV ready", "s",
+              p50_p99("save_ready_wait_seconds", "tp_rank", "rank {{tp_rank}}"),
+              "Wait for the step's KV (CUDA event) before the put."),
+            P("Save bandwidth", "Bps", ((rate(series("save_bytes"), _BY_RANK), _RANK),),
+              "Bytes written to the store per second.", width=12),
+            P("Save queue depth", "short", (
+                (f"max by ({_BY_RANK}) ({series('save_queue_depth')})", _RANK),
+            ), "Save jobs waiting for the save thread (sampled each step).", width=12),
+        )),
+        Row("Scheduler lookup and hit rate", (
+            P("Token hit rate", "percentunit", (
+                (token_hit_ratio(), "store (connector lookups)"),
+                (hit_ratio(vllm("vllm:external_prefix_cache_hits_total"),
+                           vllm("vllm:external_prefix_cache_queries_total")),
+                 "vLLM external prefix cache"),
+                (hit_ratio(vllm("vllm:prefix_cache_hits_total"),
+                           vllm("vllm:prefix_cache_queries_total")), "vLLM local prefix cache"),
+            ), "Store: lookup_hit_tokens / (hit + miss). Zero while lookups happen usually means "
+               "mismatched block hashes across engines (PYTHONHASHSEED; alert "
+               "MooncakePoolStoreHitRateZero).", min=0, max=1, width=6),
+            P("Scheduler lookup latency", "s", p50_p99("lookup_seconds", "", ""),
+              "Scheduler-side prefix lookup in the store (all TP namespaces).", width=6),
+            P("Scheduler lookups by result", "ops", (
+                (rate(series("lookups"), "result"), "{{result}}"),
+            ), "Lookups per second by result (hit, miss, error, timeout).", width=6),
+            P("Keys probed by scheduler lookups", "ops", (
+                (rate(series("lookup_keys")), "keys probed"),
+            ), "Store keys (blocks x TP namespaces) the scheduler asks the master about per "
+               "second: the lookup load on the master.", width=6),
+            P("Key namespace per pod and rank", "short", (
+                (f"max by (model_name, pod, tp_rank, fingerprint, hash_algo) "
+                 f"({series('layout_info')})", ""),
+            ), "The layout fingerprint (model, dtype, block size, KV heads, layers, TP size, "
+               "hash algorithm) in every store key. Engines of one model can share blocks only "
+               "when their fingerprints match (and PYTHONHASHSEED, for non-sha256 hashes).",
+              kind="table", width=24, height=6, table_value=None),
+        )),
+        Row("Mooncake master", (
+            P("Keys in the store", "short", (
+                (f"sum by (instance) ({master('master_key_count')})", "keys {{instance}}"),
+            ), "Objects the master manages."),
+            P("Capacity and allocated bytes", "bytes", (
+                (f"sum by (instance) ({master('master_total_capacity_bytes')})",
+                 "capacity {{instance}}"),
+                (f"sum by (instance) ({master('master_allocated_bytes')})",
+                 "allocated {{instance}}"),
+            ), "Mounted segment capacity and bytes allocated across segments.", min=0),
+            P("Active clients", "short", (
+                (f"sum by (instance) ({master('master_active_clients')})", "clients {{instance}}"),
+            ), "Clients (store nodes and engines) with a live lease on the master."),
+            P("Master requests per second by RPC", "reqps", tuple(
+                (f"sum({rate_m(f'master_{rpc}_requests_total')})", rpc) for rpc in MASTER_RPCS
+            ), "RPCs the master received.", width=12),
+            P("Master failures per second by RPC", "reqps", tuple(
+                (f"sum({rate_m(f'master_{rpc}_failures_total')})", rpc) for rpc in MASTER_RPCS
+            ) + ((f"sum({rate_m('master_put_start_alloc_failures_total')})",
+                  "put_start allocation"),), "Failed master RPCs (allocation failures: the "
+               "pool is full and eviction cannot keep up).", width=12),
+        )),
+    ),
+)
+
+DASHBOARDS = (LOAD_PIPELINE, ERRORS_AND_STORE)
+
+
+# --- building ---------------------------------------------------------------------------------
+
+def _variables(with_master: bool) -> list:
+    def query_var(name: str, query: str, title: str):
+        return (
+            gd.QueryVariable(name).label(title).datasource(DS)
+            .query({"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery",
+                    "qryType": 1})
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dm.VariableSort.NATURAL_ASC)
+            .multi(True).include_all(True).all_value(".*")
+            .current(dm.VariableOption(selected=True, text="All", value="$__all"))
+        )
+
+    recv = "vllm:mooncake_pool_recv_threads"
+    return [
+        gd.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        query_var("model", f"label_values({recv}, model_name)", "Model"),
+        query_var("pod", f'label_values({recv}{{model_name=~"$model"}}, pod)', "Pod"),
+        query_var("tp_rank",
+                  f'label_values({recv}{{model_name=~"$model", pod=~"$pod"}}, tp_rank)', "TP rank"),
+        query_var("thread",
+                  'label_values(vllm:mooncake_pool_load_inflight{model_name=~"$model", '
+                  'pod=~"$pod", tp_rank=~"$tp_rank"}, thread)', "Thread"),
+    ] + ([query_var("master", "label_values(master_key_count, instance)",
+                    "Mooncake master")] if with_master else [])
+
+
+def _panel(spec: P, panel_id: int):
+    if spec.kind == "timeseries":
+        b = (timeseries.Panel().line_width(1).fill_opacity(8)
+             .show_points(common.VisibilityMode.NEVER)
+             .legend(cb.VizLegendOptions().show_legend(True)
+                     .display_mode(common.LegendDisplayMode.LIST)
+                     .placement(common.LegendPlacement.BOTTOM))
+             .tooltip(cb.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                      .sort(common.SortOrder.DESCENDING))
+             .override_by_regexp("^p50", [dm.DynamicConfigValue(
+                 id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]))
+    elif spec.kind == "stat":
+        b = stat.Panel().text_mode(common.BigValueTextMode.VALUE_AND_NAME)
+    elif spec.kind == "table":
+        hide = {"Time": True} | ({"Value": True} if spec.table_value is None else {})
+        rename = {"Value": spec.table_value} if spec.table_value else {}
+        b = table.Panel().with_transformation(dm.DataTransformerConfig(
+            id_val="organize", options={"excludeByName": hide, "renameByName": rename}))
+    else:
+        raise ValueError(spec.kind)
+    b = (b.id(panel_id).title(spec.title).description(spec.description).unit(spec.unit)
+         .datasource(DS).span(spec.width).height(spec.height))
+    if spec.min is not None:
+        b = b.min(spec.min)
+    if spec.max is not None:
+        b = b.max(spec.max)
+    for i, (expr, legend) in enumerate(spec.targets):
+        q = prometheus.Dataquery().expr(expr).ref_id(chr(ord("A") + i)).datasource(DS)
+        if spec.kind == "table":
+            q = q.instant().format(pm.PromQueryFormat.TABLE)
+        else:
+            q = q.range().legend_format(legend or "__auto")
+        b = b.with_target(q)
+    return b
+
+
+def build(d: Dash) -> dict:
+    b = (gd.Dashboard(d.title).uid(d.uid).description(d.description).tags(list(d.tags))
+         .editable().time("now-1h", "now").refresh("30s").timezone("browser")
+         .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+         .timepicker(gd.TimePicker().refresh_intervals(["10s", "30s", "1m", "5m", "15m"])))
+    uses_master = any(re.search(r"(?<![\w:])master_", expr) for row in d.rows
+                      for p in row.panels for expr, _ in p.targets)
+    for v in _variables(uses_master):
+        b = b.with_variable(v)
+    panel_id = 1
+    for row in d.rows:
+        r = gd.Row(row.title).id(panel_id).collapsed(row.collapsed)
+        panel_id += 1
+        b = b.with_row(r)
+        for spec in row.panels:
+            b = b.with_panel(_panel(spec, panel_id))
+            panel_id += 1
+    return json.loads(json.dumps(b.build(), cls=JSONEncoder))
+
+
+def render_json(d: Dash) -> str:
+    return json.dumps(build(d), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--check", action="store_true",
+                    help="do not write; exit 1 if a committed dashboard differs from the code")
+    ap.add_argument("--out", type=Path, default=HERE,
+                    help="output directory (default: dashboards/)")
+    args = ap.parse_args(argv)
+    stale = []
+    for d in DASHBOARDS:
+        path = args.out / d.file
+        text = render_json(d)
+        old = path.read_text() if path.exists() else ""
+        if old == text:
+            continue
+        if args.check:
+            stale.append(path)
+            diff = difflib.unified_diff(old.splitlines(), text.splitlines(), str(path),
+                                        f"{path} (generated)", lineterm="", n=1)
+            print("\n".join(list(diff)[:40]), file=sys.stderr)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"out of date: {', '.join(map(str, stale))}; run python -m dashboards.generate",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+{{/* ---------- names and labels ---------- */}}
+
+{{- define "mpc.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Resource name prefix; kept short so "<prefix>-<deployment>-mooncake" fits 63 chars. */}}
+{{- define "mpc.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 30 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 30 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 30 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "mpc.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels. Call with (dict "root" $ "component" "master"). */}}
+{{- define "mpc.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mpc.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- with .deployment }}
+mooncake-pooled-connector/deployment: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* All labels. Same argument as mpc.selectorLabels. */}}
+{{- define "mpc.labels" -}}
+{{ include "mpc.selectorLabels" . }}
+helm.sh/chart: {{ include "mpc.chart" .root }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: {{ include "mpc.name" .root }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "mpc.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "mpc.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Image reference. Call with (dict "image" <override map or nil> "root" $). */}}
+{{- define "mpc.image" -}}
+{{- $base := .root.Values.image }}
+{{- $o := .image | default dict }}
+{{- printf "%s:%s" (default $base.repository $o.repository) (default $base.tag $o.tag | toString) }}
+{{- end }}
+
+{{- define "mpc.pullPolicy" -}}
+{{- $o := .image | default dict }}
+{{- default .root.Values.image.pullPolicy $o.pullPolicy }}
+{{- end }}
+
+{{/* ---------- Mooncake master endpoints ---------- */}}
+
+{{- define "mpc.master.deployed" -}}
+{{- if not .Values.master.external.address }}true{{ end }}
+{{- end }}
+
+{{- define "mpc.master.serviceName" -}}
+{{- printf "%s-master" (include "mpc.fullname" .) }}
+{{- end }}
+
+{{- define "mpc.master.host" -}}
+{{- printf "%s.%s.svc" (include "mpc.master.serviceName" .) .Release.Namespace }}
+{{- end }}
+
+{{/* host:port of the master RPC endpoint. */}}
+{{- define "mpc.master.address" -}}
+{{- if .Values.master.external.address }}
+{{- .Values.master.external.address }}
+{{- else }}
+{{- printf "%s:%d" (include "mpc.master.host" .) (int .Values.master.ports.rpc) }}
+{{- end }}
+{{- end }}
+
+{{/* URL of the master's HTTP metadata server. */}}
+{{- define "mpc.master.metadataServer" -}}
+{{- if .Values.master.external.address }}
+{{- $host := regexReplaceAll ":[0-9]+$" .Values.master.external.address "" }}
+{{- default (printf "http://%s:8080/metadata" $host) .Values.master.external.metadataServer }}
+{{- else }}
+{{- printf "http://%s:%d/metadata" (include "mpc.master.host" .) (int .Values.master.ports.metadata) }}
+{{- end }}
+{{- end }}
+
+{{/* ---------- shared pod pieces ---------- */}}
+
+{{- define "mpc.podSecurityContext" -}}
+{{- $s := .Values.security -}}
+runAsNonRoot: {{ $s.runAsNonRoot }}
+{{- if not (kindIs "invalid" $s.runAsUser) }}
+runAsUser: {{ int $s.runAsUser }}
+{{- end }}
+{{- if not (kindIs "invalid" $s.runAsGroup) }}
+runAsGroup: {{ int $s.runAsGroup }}
+{{- end }}
+{{- if not (kindIs "invalid" $s.fsGroup) }}
+fsGroup: {{ int $s.fsGroup }}
+{{- end }}
+{{- with $s.seccompProfile }}
+seccompProfile:
+  type: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* Container securityContext. Call with (dict "root" $ "protocol" "tcp|rdma" "readOnlyRoot" bool). */}}
+{{- define "mpc.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+privileged: false
+readOnlyRootFilesystem: {{ .readOnlyRoot | default false }}
+capabilities:
+  drop:
+    - ALL
+  {{- if and (eq .protocol "rdma") .root.Values.security.rdmaCapabilities }}
+  add:
+    {{- toYaml .root.Values.security.rdmaCapabilities | nindent 4 }}
+  {{- end }}
+{{- end }}
+
+{{/* Container resources, plus security.rdmaResources for rdma. Call with (dict "root" $ "resources" map "protocol" p). */}}
+{{- define "mpc.resources" -}}
+{{- $r := deepCopy (.resources | default dict) }}
+{{- if and (eq .protocol "rdma") .root.Values.security.rdmaResources }}
+{{- $limits := deepCopy ($r.limits | default dict) }}
+{{- $requests := deepCopy ($r.requests | default dict) }}
+{{- range $k, $v := .root.Values.security.rdmaResources }}
+{{- $_ := set $limits $k $v }}
+{{- $_ := set $requests $k $v }}
+{{- end }}
+{{- $_ := set $r "limits" $limits }}
+{{- $_ := set $r "requests" $requests }}
+{{- end }}
+{{- if $r }}
+{{- toYaml $r }}
+{{- else -}}
+{}
+{{- end }}
+{{- end }}
+
+{{/* Env vars holding credentials: only from Secrets. */}}
+{{- define "mpc.secretEnv" -}}
+{{- with .Values.secrets.hfToken }}
+{{- if .name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name }}
+      key: {{ .key }}
+{{- end }}
+{{- end }}
+{{- with .Values.secrets.apiKey }}
+{{- if .name }}
+- name: VLLM_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name }}
+      key: {{ .key }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Fail on extraEnv entries that put a credential-looking name into a plain value. */}}
+{{- define "mpc.checkEnv" -}}
+{{- range .env }}
+{{- if and (hasKey . "value") (regexMatch "(?i)(TOKEN|API_?KEY|SECRET|PASSWORD)" .name) }}
+{{- fail (printf "%s: env %s must come from a Secret (valueFrom.secretKeyRef), not a plain value" $.where .name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* ---------- vLLM deployments ---------- */}}
+
+{{/*
+Merge one `deployments` entry over deploymentDefaults into .out (a dict).
+Map values are merged one level deep; scalars (including 0, false and "") and lists replace.
+Call with (dict "out" $d "defaults" .Values.deploymentDefaults "entry" $entry "root" $).
+*/}}
+{{- define "mpc.mergeDeployment" -}}
+{{- $out := .out }}
+{{- range $k, $v := .defaults }}
+{{- if kindIs "invalid" $v }}
+{{- $_ := set $out $k $v }}
+{{- else }}
+{{- $_ := set $out $k (deepCopy $v) }}
+{{- end }}
+{{- end }}
+{{- range $k, $v := .entry }}
+{{- if and (kindIs "map" $v) (kindIs "map" (get $out $k)) }}
+{{- $m := get $out $k }}
+{{- range $k2, $v2 := $v }}
+{{- $_ := set $m $k2 $v2 }}
+{{- end }}
+{{- else }}
+{{- $_ := set $out $k $v }}
+{{- end }}
+{{- end }}
+{{- if kindIs "invalid" $out.globalSegmentSize }}
+{{- $_ := set $out "globalSegmentSize" (ternary 0 "4GB" .root.Values.storeNodes.enabled) }}
+{{- end }}
+{{- $where := printf "deployments[%s]" $out.name }}
+{{- if not $out.model }}
+{{- fail (printf "%s: model is required" $where) }}
+{{- end }}
+{{- if and (eq $out.protocol "rdma") (not $out.deviceName) }}
+{{- fail (printf "%s: protocol rdma needs deviceName (e.g. mlx5_0)" $where) }}
+{{- end }}
+{{- include "mpc.checkEnv" (dict "env" $out.extraEnv "where" $where) }}
+{{- end }}
+
+{{/* Resource name of one vLLM deployment. Call with (dict "root" $ "d" $merged). */}}
+{{- define "mpc.vllm.name" -}}
+{{- printf "%s-%s" (include "mpc.fullname" .root) .d.name | trunc 54 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Size value as rendered into JSON: integers stay numbers, strings stay strings. */}}
+{{- define "mpc.size" -}}
+{{- if kindIs "string" . }}{{ toJson . }}{{ else }}{{ int64 . }}{{ end }}
+{{- end }}
+
+{{/* The MOONCAKE_CONFIG_PATH file for one deployment. Call with (dict "root" $ "d" $merged). */}}
+{{- define "mpc.vllm.mooncakeConfig" -}}
+{
+  "metadata_server": {{ include "mpc.master.metadataServer" .root | toJson }},
+  "master_server_address": {{ include "mpc.master.address" .root | toJson }},
+  "protocol": {{ .d.protocol | toJson }},
+  {{- if eq .d.protocol "rdma" }}
+  "device_name": {{ .d.deviceName | toJson }},
+  {{- end }}
+  "global_segment_size": {{ include "mpc.size" .d.globalSegmentSize }},
+  "local_buffer_size": {{ include "mpc.size" .d.localBufferSize }}
+}
+{{- end }}
+
+{{/* The --kv-transfer-config JSON for one deployment. */}}
+{{- define "mpc.vllm.kvTransferConfig" -}}
+{{- $cfg := dict
+  "kv_connector" "PooledMooncakeStoreConnector"
+  "kv_connector_module_path" "connector"
+  "kv_role" "kv_both"
+  "kv_load_failure_policy" "recompute"
+}}
+{{- with .d.extraConfig }}
+{{- $_ := set $cfg "kv_connector_extra_config" . }}
+{{- end }}
+{{- toJson $cfg }}
+{{- end }}

@@ -1,0 +1,646 @@
+"""Offline checks of the Helm chart with the real helm binary (./bin/helm, v4).
+
+What runs: `helm lint --strict`, `helm template` (defaults and ci/three-deployments-values.yaml),
+`helm install --dry-run=client`, `kubernetes-validate --strict -k 1.30.0` and yamllint on the
+rendered output, the values schema's error messages, the secure defaults, the per-deployment
+thread count, and the structure of the CRD objects (ServiceMonitor/PodMonitor/PrometheusRule),
+which kubernetes-validate has no schema for.
+
+helm is installed by scripts/setup_helm.sh when ./bin/helm is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "mooncake-pooled-connector"
+CI_VALUES = CHART / "ci" / "three-deployments-values.yaml"
+HELM = ROOT / "bin" / "helm"
+VENV_BIN = Path(sys.executable).parent
+KUBE_VERSION = "1.30.0"
+RELEASE = "pool"
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+# kv_connector_extra_config keys the connector accepts, besides the Mooncake fields.
+CONNECTOR_KEYS = {
+    "load_threads", "cache_prefix", "model_id", "lookup_timeout_s", "lookup_wait_ms",
+    "enable_save", "enable_load", "save_decode_tokens", "master_lookup_sample_ratio",
+    "trace_sample_ratio", "on_master_unreachable", "store_timeout_s",
+}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def helm_env(tmp: Path) -> dict[str, str]:
+    """Environment for helm with no cluster: an explicit dummy kubeconfig (helm would otherwise
+    talk to localhost:8080, where a local mooncake_master may be listening) and private dirs."""
+    kubeconfig = tmp / "kubeconfig"
+    if not kubeconfig.exists():
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "none",
+            "clusters": [{"name": "none", "cluster": {"server": "https://127.0.0.1:1"}}],
+            "users": [{"name": "none", "user": {"token": "dummy"}}],
+            "contexts": [{"name": "none", "context": {"cluster": "none", "user": "none"}}],
+        }))
+        kubeconfig.chmod(0o600)
+    env = dict(os.environ)
+    env.update(
+        KUBECONFIG=str(kubeconfig),
+        HELM_CACHE_HOME=str(tmp / "helm-cache"),
+        HELM_CONFIG_HOME=str(tmp / "helm-config"),
+        HELM_DATA_HOME=str(tmp / "helm-data"),
+    )
+    env.pop("HELM_DRIVER", None)
+    return env
+
+
+def ensure_helm() -> Path:
+    """./bin/helm, installed by scripts/setup_helm.sh if missing."""
+    if not HELM.exists():
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "setup_helm.sh")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0 or not HELM.exists():
+            pytest.fail(f"./bin/helm is missing and scripts/setup_helm.sh failed "
+                        f"(rc {r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return HELM
+
+
+class Helm:
+    def __init__(self, binary: Path, tmp: Path):
+        self.binary, self.env, self.tmp = binary, helm_env(tmp), tmp
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run([str(self.binary), *args], env=self.env, capture_output=True,
+                           text=True, timeout=120)
+        if check and r.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed (rc {r.returncode}):\n"
+                                 f"{r.stdout}\n{r.stderr}")
+        return r
+
+    def template(self, *values_args: str, chart: Path = CHART, values: dict | None = None,
+                 check: bool = True) -> subprocess.CompletedProcess:
+        args = ["template", RELEASE, str(chart), "--namespace", "llm",
+                "--kube-version", KUBE_VERSION, *values_args]
+        if values is not None:
+            f = self.tmp / f"values-{abs(hash(json.dumps(values, sort_keys=True)))}.yaml"
+            f.write_text(yaml.safe_dump(values))
+            args += ["-f", str(f)]
+        return self.run(*args, check=check)
+
+    def render(self, *values_args: str, **kw) -> list[dict]:
+        out = self.template(*values_args, **kw).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+
+    def error(self, *values_args: str, **kw) -> str:
+        r = self.template(*values_args, check=False, **kw)
+        assert r.returncode != 0, f"helm template unexpectedly succeeded:\n{r.stdout[:2000]}"
+        return r.stderr
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory) -> Helm:
+    return Helm(ensure_helm(), tmp_path_factory.mktemp("helm"))
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def vllm_containers(docs: list[dict]) -> dict[str, dict]:
+    """deployment entry name -> its vllm container."""
+    out = {}
+    for d in by_kind(docs, "Deployment").values():
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        if labels.get("app.kubernetes.io/component") == "vllm":
+            name = labels["mooncake-pooled-connector/deployment"]
+            out[name] = next(c for c in d["spec"]["template"]["spec"]["containers"]
+                             if c["name"] == "vllm")
+    return out
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def arg_after(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def pod_specs(docs: list[dict]):
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
+            yield d["metadata"]["name"], d["spec"]["template"]["spec"]
+
+
+def kubernetes_validate(path: Path) -> subprocess.CompletedProcess:
+    exe = VENV_BIN / "kubernetes-validate"
+    if not exe.exists():
+        exe = shutil.which("kubernetes-validate")
+        if not exe:
+            pytest.fail("kubernetes-validate not installed; run scripts/setup_helm.sh")
+    return subprocess.run([str(exe), "--strict", "-k", KUBE_VERSION, str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+# ---------------------------------------------------------------- lint and validation
+
+
+@pytest.mark.parametrize("values", [None, CI_VALUES], ids=["defaults", "three-deployments"])
+def test_lint_strict(helm, values):
+    args = ["lint", "--strict", str(CHART)] + (["-f", str(values)] if values else [])
+    r = helm.run(*args)
+    assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout
+
+
+@pytest.mark.parametrize("values", [None, CI_VALUES], ids=["defaults", "three-deployments"])
+def test_rendered_output_passes_kubernetes_validate(helm, values, tmp_path):
+    out = helm.template(*(["-f", str(values)] if values else [])).stdout
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(out)
+    r = kubernetes_validate(rendered)
+    report = r.stdout + r.stderr
+    assert r.returncode == 0, report
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    core = [d for d in docs if d["kind"] not in CRD_KINDS]
+    # Every core object was validated against a real schema (a missing schema is only a WARN).
+    assert report.count("passed for resource") == len(core), report
+    for line in report.splitlines():
+        if "Couldn't find schema" in line:
+            assert any(f"kind {k} " in line for k in CRD_KINDS), line
+
+
+def test_rendered_output_passes_yamllint(helm, tmp_path):
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(helm.template("-f", str(CI_VALUES)).stdout)
+    config = ("{extends: default, rules: {line-length: disable, document-start: disable, "
+              "comments: disable, indentation: {spaces: consistent, indent-sequences: whatever}}}")
+    r = subprocess.run([sys.executable, "-m", "yamllint", "-f", "parsable", "-d", config,
+                        str(rendered)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_install_dry_run_client(helm):
+    r = helm.run("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", "llm",
+                 "-f", str(CI_VALUES))
+    assert "STATUS: pending-install" in r.stdout
+    assert "VLLM_MOONCAKE_LOAD_RECV_THREADS=16" in r.stdout  # NOTES lists the thread counts
+
+
+# ---------------------------------------------------------------- per-deployment rendering
+
+
+def test_three_deployments_carry_their_own_thread_count(helm):
+    docs = helm.render("-f", str(CI_VALUES))
+    containers = vllm_containers(docs)
+    assert set(containers) == {"threads-1", "threads-4", "threads-16"}
+    for name, c in containers.items():
+        env = env_of(c)
+        assert env["VLLM_MOONCAKE_LOAD_RECV_THREADS"]["value"] == name.split("-")[1]
+        assert env["MOONCAKE_CONFIG_PATH"]["value"] == "/etc/mooncake/mooncake.json"
+        assert env["MOONCAKE_LOCAL_HOSTNAME"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "status.podIP"
+
+
+def test_each_deployment_has_its_own_mooncake_configmap(helm):
+    docs = helm.render("-f", str(CI_VALUES))
+    cms = by_kind(docs, "ConfigMap")
+    master = f"{RELEASE}-mooncake-pooled-connector-master.llm.svc"
+    for d in by_kind(docs, "Deployment").values():
+        spec = d["spec"]["template"]["spec"]
+        if spec["containers"][0]["name"] != "vllm":
+            continue
+        vol = next(v for v in spec["volumes"] if v["name"] == "mooncake-config")
+        cfg = json.loads(cms[vol["configMap"]["name"]]["data"]["mooncake.json"])
+        assert cfg["master_server_address"] == f"{master}:50051"
+        assert cfg["metadata_server"] == f"http://{master}:8080/metadata"
+        assert "local_hostname" not in cfg  # comes from MOONCAKE_LOCAL_HOSTNAME (pod IP)
+        entry = d["metadata"]["labels"]["mooncake-pooled-connector/deployment"]
+        if entry == "threads-16":
+            assert cfg["protocol"] == "rdma" and cfg["device_name"] == "mlx5_0"
+            assert cfg["global_segment_size"] == "16GB"
+        else:
+            # store nodes hold the pool, so engines contribute nothing by default
+            assert cfg["protocol"] == "tcp" and "device_name" not in cfg
+            assert cfg["global_segment_size"] == 0
+        sha = d["spec"]["template"]["metadata"]["annotations"]["checksum/mooncake-config"]
+        assert len(sha) == 64
+
+
+def test_vllm_command_and_kv_transfer_config(helm):
+    containers = vllm_containers(helm.render("-f", str(CI_VALUES)))
+    c = containers["threads-4"]
+    assert c["command"] == ["vllm"]
+    args = c["args"]
+    assert args[:2] == ["serve", "meta-llama/Llama-3.1-8B-Instruct"]
+    assert arg_after(args, "--port") == "8000"
+    assert arg_after(args, "--block-size") == "16"
+    assert arg_after(containers["threads-16"]["args"], "--tensor-parallel-size") == "2"
+    kv = json.loads(arg_after(args, "--kv-transfer-config"))
+    assert kv == {
+        "kv_connector": "PooledMooncakeStoreConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        # defaults merged key by key with the entry's own extraConfig
+        "kv_connector_extra_config": {"on_master_unreachable": "degrade",
+                                      "lookup_timeout_s": 2, "trace_sample_ratio": 0.05},
+    }
+    kv1 = json.loads(arg_after(containers["threads-1"]["args"], "--kv-transfer-config"))
+    assert kv1["kv_connector_extra_config"] == {"on_master_unreachable": "degrade",
+                                                "lookup_timeout_s": 2}
+    assert args[-4:] == ["--max-model-len", "8192", "--gpu-memory-utilization", "0.9"]
+
+
+def test_default_render_omits_empty_extra_config(helm):
+    c = vllm_containers(helm.render())["engine"]
+    kv = json.loads(arg_after(c["args"], "--kv-transfer-config"))
+    assert "kv_connector_extra_config" not in kv
+
+
+def test_tracing_env_only_when_endpoint_set(helm):
+    containers = vllm_containers(helm.render("-f", str(CI_VALUES)))
+    env = env_of(containers["threads-4"])
+    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]["value"] == \
+        "http://otel-collector.observability.svc:4318/v1/traces"
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]["value"] == "http/protobuf"
+    assert env["OTEL_SERVICE_NAME"]["value"] == f"{RELEASE}-mooncake-pooled-connector-threads-4"
+    assert env["OTEL_TRACES_SAMPLER"]["value"] == "parentbased_traceidratio"
+    assert env["OTEL_TRACES_SAMPLER_ARG"]["value"] == "0.05"
+    for name in ("threads-1", "threads-16"):
+        assert not any(k.startswith("OTEL_") for k in env_of(containers[name]))
+
+
+def test_extra_config_schema_matches_connector_keys():
+    """The chart's extraConfig keys are exactly the connector's, minus load_threads."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    keys = set(schema["definitions"]["extraConfig"]["properties"])
+    assert keys == CONNECTOR_KEYS - {"load_threads"}
+    try:
+        from connector.config import CONNECTOR_KEYS as live
+    except ImportError:
+        return
+    assert keys == set(live) - {"load_threads"}
+
+
+def test_global_segment_size_default_follows_store_nodes(helm):
+    def cfg(docs):
+        cm = next(iter(by_kind(docs, "ConfigMap").values()))
+        return json.loads(cm["data"]["mooncake.json"])
+
+    assert cfg(helm.render())["global_segment_size"] == "4GB"
+    assert cfg(helm.render("--set", "storeNodes.enabled=true"))["global_segment_size"] == 0
+    explicit = helm.render("--set", "storeNodes.enabled=true",
+                           "--set", "deploymentDefaults.globalSegmentSize=1073741824")
+    assert cfg(explicit)["global_segment_size"] == 1073741824
+
+
+def test_master_rendered_with_the_contract_flags(helm):
+    docs = helm.render()
+    dep = by_kind(docs, "Deployment")[f"{RELEASE}-mooncake-pooled-connector-master"]
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["mooncake_master"]
+    assert c["args"] == [
+        "--rpc_port=50051", "--rpc_address=0.0.0.0", "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=0.0.0.0", "--http_metadata_server_port=8080",
+        "--metrics_host=0.0.0.0", "--metrics_port=9003", "--rpc_enable_tcp_no_delay=true",
+    ]
+    svc = by_kind(docs, "Service")[f"{RELEASE}-mooncake-pooled-connector-master"]
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == \
+        {"rpc": 50051, "metadata": 8080, "metrics": 9003}
+
+
+def test_master_image_override(helm):
+    docs = helm.render("--set", "master.image.repository=mooncake/master",
+                       "--set", "master.image.tag=v0.3.13")
+    images = {n: s["containers"][0]["image"] for n, s in pod_specs(docs)}
+    assert images[f"{RELEASE}-mooncake-pooled-connector-master"] == "mooncake/master:v0.3.13"
+    assert images[f"{RELEASE}-mooncake-pooled-connector-engine"] == \
+        "ghcr.io/example/vllm-mooncake-pooled-connector:0.1.0"
+
+
+def test_external_master_deploys_no_master(helm):
+    docs = helm.render("--set", "master.external.address=mooncake.infra:50051")
+    assert not any("master" in n for n in by_kind(docs, "Deployment"))
+    assert not any("master" in n for n in by_kind(docs, "Service"))
+    cfg = json.loads(next(iter(by_kind(docs, "ConfigMap").values()))["data"]["mooncake.json"])
+    assert cfg["master_server_address"] == "mooncake.infra:50051"
+    assert cfg["metadata_server"] == "http://mooncake.infra:8080/metadata"
+
+
+def test_store_nodes(helm):
+    docs = helm.render("-f", str(CI_VALUES))
+    dep = by_kind(docs, "Deployment")[f"{RELEASE}-mooncake-pooled-connector-store"]
+    assert dep["spec"]["replicas"] == 2
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    master = f"{RELEASE}-mooncake-pooled-connector-master.llm.svc"
+    assert c["command"] == ["mooncake_client"]
+    assert c["args"] == [
+        f"--master_server_address={master}:50051",
+        f"--metadata_server=http://{master}:8080/metadata",
+        "--host=$(POD_IP)", "--port=50052", "--protocol=tcp",
+        "--global_segment_size=8GB", "--local_buffer_size=16MB",
+    ]
+    assert env_of(c)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert not any("store" in n for n in by_kind(helm.render(), "Deployment"))
+
+
+# ---------------------------------------------------------------- schema messages
+
+
+SCHEMA_ERROR = "values don't meet the specifications of the schema"
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("deployments[0].recvThreads=0", "at '/deployments/0/recvThreads': minimum: got 0, want 1"),
+    ("deployments[0].recvThreads=65",
+     "at '/deployments/0/recvThreads': maximum: got 65, want 64"),
+    ("deployments[0].recvThreads=four",
+     "at '/deployments/0/recvThreads': got string, want integer"),
+    ("deployments[0].recvThread=4",
+     "at '/deployments/0': additional properties 'recvThread' not allowed"),
+    ("deployments[0].protocol=udp", "at '/deployments/0/protocol': value must be one of"),
+    ("deployments[0].globalSegmentSize=4XB", "'4XB' does not match pattern"),
+    ("deploymentDefaults.localBufferSize=-1", "at '/deploymentDefaults/localBufferSize'"),
+    ("deployments[0].extraConfig.load_threads=4",
+     "at '/deployments/0/extraConfig': additional properties 'load_threads' not allowed"),
+    ("deployments[0].extraConfig.on_master_unreachable=retry",
+     "at '/deployments/0/extraConfig/on_master_unreachable': value must be one of"),
+    ("hfToken=hf_abc", "at '': additional properties 'hfToken' not allowed"),
+    ("monitoring.kind=Probe", "at '/monitoring/kind': value must be one of"),
+])
+def test_schema_rejects_bad_values_with_clear_message(helm, setting, message):
+    err = helm.error("--set", setting)
+    assert SCHEMA_ERROR in err, err
+    assert message in err, err
+
+
+def test_schema_rejects_bad_values_in_lint_too(helm, tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump({"deployments": [{"name": "a", "model": "m",
+                                                  "recvThreads": "four"}]}))
+    r = helm.run("lint", "--strict", str(CHART), "-f", str(f), check=False)
+    assert r.returncode != 0
+    assert "at '/deployments/0/recvThreads': got string, want integer" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"deployments": [{"name": "a", "model": "m", "protocol": "rdma"}]},
+     "deployments[a]: protocol rdma needs deviceName"),
+    ({"deployments": [{"name": "a", "model": "m"}, {"name": "a", "model": "other"}]},
+     'deployments: name "a" is used twice'),
+    ({"deployments": [{"name": "a"}]}, "deployments[a]: model is required"),
+    ({"deployments": [{"name": "a", "model": "m",
+                       "extraEnv": [{"name": "HF_TOKEN", "value": "hf_x"}]}]},
+     "deployments[a]: env HF_TOKEN must come from a Secret"),
+    ({"storeNodes": {"enabled": True, "protocol": "rdma"}}, "storeNodes"),
+])
+def test_template_rejects_inconsistent_values(helm, values, message):
+    assert message in helm.error(values=values)
+
+
+# ---------------------------------------------------------------- secure defaults
+
+
+@pytest.mark.parametrize("values", [None, CI_VALUES], ids=["defaults", "three-deployments"])
+def test_secure_defaults(helm, values):
+    docs = helm.render(*(["-f", str(values)] if values else []))
+    specs = dict(pod_specs(docs))
+    assert specs
+    for name, spec in specs.items():
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["runAsUser"] == 1000, name
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert spec["automountServiceAccountToken"] is False, name
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["privileged"] is False, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            for e in c.get("env", []):
+                if any(w in e["name"] for w in ("TOKEN", "KEY", "SECRET", "PASSWORD")):
+                    assert "value" not in e, (name, e)
+                    assert "secretKeyRef" in e["valueFrom"], (name, e)
+    for sa in by_kind(docs, "ServiceAccount").values():
+        assert sa["automountServiceAccountToken"] is False
+
+
+def test_ipc_lock_only_with_rdma(helm):
+    docs = helm.render("-f", str(CI_VALUES))
+    for name, c in vllm_containers(docs).items():
+        caps = c["securityContext"]["capabilities"]
+        limits = c["resources"]["limits"]
+        if name == "threads-16":
+            assert caps.get("add") == ["IPC_LOCK"]
+            assert limits["rdma/ib"] == 1
+        else:
+            assert "add" not in caps, name
+            assert "rdma/ib" not in limits, name
+    for name, spec in pod_specs(docs):
+        if "threads-16" not in name:
+            assert "add" not in spec["containers"][0]["securityContext"]["capabilities"], name
+    rdma_store = helm.render("--set", "storeNodes.enabled=true",
+                             "--set", "storeNodes.protocol=rdma",
+                             "--set", "storeNodes.deviceName=mlx5_1")
+    c = by_kind(rdma_store, "Deployment")[f"{RELEASE}-mooncake-pooled-connector-store"]
+    c = c["spec"]["template"]["spec"]["containers"][0]
+    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert "--device_names=mlx5_1" in c["args"]
+
+
+def test_secrets_only_by_reference(helm):
+    docs = helm.render("--set", "secrets.hfToken.name=hf", "--set", "secrets.apiKey.name=api")
+    env = env_of(vllm_containers(docs)["engine"])
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api", "key": "api-key"}
+    assert not by_kind(docs, "Secret")
+    # unset: no credential env at all
+    env = env_of(vllm_containers(helm.render())["engine"])
+    assert "HF_TOKEN" not in env and "VLLM_API_KEY" not in env
+
+
+def test_run_as_root_is_possible_when_image_needs_it(helm):
+    docs = helm.render("--set", "security.runAsNonRoot=false", "--set", "security.runAsUser=0")
+    for _, spec in pod_specs(docs):
+        assert spec["securityContext"]["runAsNonRoot"] is False
+        assert spec["securityContext"]["runAsUser"] == 0
+
+
+def test_network_policy(helm):
+    assert not by_kind(helm.render(), "NetworkPolicy")
+    docs = helm.render("-f", str(CI_VALUES))
+    (np,) = by_kind(docs, "NetworkPolicy").values()
+    master_labels = by_kind(docs, "Deployment")[f"{RELEASE}-mooncake-pooled-connector-master"][
+        "spec"]["template"]["metadata"]["labels"]
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= master_labels.items()
+    release_rule, prom_rule = np["spec"]["ingress"]
+    peer = release_rule["from"][0]["podSelector"]["matchLabels"]
+    assert peer == {"app.kubernetes.io/name": "mooncake-pooled-connector",
+                    "app.kubernetes.io/instance": RELEASE}
+    # every vLLM and store-node pod of the release matches the peer selector
+    for _, spec_labels in ((n, d["spec"]["template"]["metadata"]["labels"])
+                           for n, d in by_kind(docs, "Deployment").items()):
+        assert peer.items() <= spec_labels.items()
+    assert sorted(p["port"] for p in release_rule["ports"]) == [8080, 9003, 50051]
+    assert prom_rule["from"][0]["namespaceSelector"]["matchLabels"] == \
+        {"kubernetes.io/metadata.name": "monitoring"}
+    assert [p["port"] for p in prom_rule["ports"]] == [9003]
+
+
+# ---------------------------------------------------------------- monitoring objects
+
+
+def test_service_monitors_select_existing_services_and_ports(helm):
+    docs = helm.render("-f", str(CI_VALUES))
+    monitors = by_kind(docs, "ServiceMonitor")
+    assert set(monitors) == {f"{RELEASE}-mooncake-pooled-connector-vllm",
+                             f"{RELEASE}-mooncake-pooled-connector-master"}
+    services = by_kind(docs, "Service").values()
+    for m in monitors.values():
+        assert m["apiVersion"] == "monitoring.coreos.com/v1"
+        assert m["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        sel = m["spec"]["selector"]["matchLabels"]
+        matched = [s for s in services if sel.items() <= s["metadata"]["labels"].items()]
+        assert matched, m["metadata"]["name"]
+        assert m["spec"]["namespaceSelector"]["matchNames"] == ["llm"]
+        (ep,) = m["spec"]["endpoints"]
+        assert ep["path"] == "/metrics" and ep["interval"] == "30s"
+        for s in matched:
+            assert ep["port"] in {p["name"] for p in s["spec"]["ports"]}
+    vllm_ports = {p["port"] for s in services for p in s["spec"]["ports"] if p["name"] == "http"}
+    assert vllm_ports == {8000}
+    (ep,) = monitors[f"{RELEASE}-mooncake-pooled-connector-master"]["spec"]["endpoints"]
+    assert ep["port"] == "metrics"
+
+
+def test_pod_monitors_select_existing_pods_and_ports(helm):
+    docs = helm.render("--set", "monitoring.enabled=true", "--set", "monitoring.kind=PodMonitor")
+    monitors = by_kind(docs, "PodMonitor")
+    assert len(monitors) == 2 and not by_kind(docs, "ServiceMonitor")
+    pods = [d["spec"]["template"] for d in by_kind(docs, "Deployment").values()]
+    for m in monitors.values():
+        sel = m["spec"]["selector"]["matchLabels"]
+        matched = [p for p in pods if sel.items() <= p["metadata"]["labels"].items()]
+        assert matched, m["metadata"]["name"]
+        (ep,) = m["spec"]["podMetricsEndpoints"]
+        for p in matched:
+            assert ep["port"] in {cp["name"] for c in p["spec"]["containers"]
+                                  for cp in c["ports"]}
+    assert not by_kind(helm.render(), "ServiceMonitor")  # opt-in
+
+
+@pytest.fixture()
+def chart_with_assets(tmp_path) -> Path:
+    """A copy of the chart with a dashboard and an alert rules file, as the sync step adds."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    dash = chart / "dashboards"
+    shutil.rmtree(dash, ignore_errors=True)
+    dash.mkdir()
+    (dash / "pool_overview.json").write_text(json.dumps(
+        {"title": "Pool overview", "uid": "mcpool", "panels": [
+            {"type": "stat", "targets": [{"expr": "sum(vllm:mooncake_pool_recv_threads)"}]}]},
+        indent=2))
+    (dash / "alerts.yaml").write_text(yaml.safe_dump({"groups": [{
+        "name": "mooncake-pool", "rules": [{
+            "alert": "MooncakePoolNoHits",
+            "expr": "sum(rate(vllm:external_prefix_cache_hits_total[10m])) == 0",
+            "for": "15m", "labels": {"severity": "warning"},
+            "annotations": {"summary": "{{ $labels.model_name }} gets no pool hits"}}]}]}))
+    return chart
+
+
+def test_dashboards_and_prometheus_rule_from_chart_files(helm, chart_with_assets):
+    docs = helm.render("-f", str(CI_VALUES), chart=chart_with_assets)
+    dash = [d for d in by_kind(docs, "ConfigMap").values()
+            if d["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    assert len(dash) == 1
+    (key, body), = dash[0]["data"].items()
+    assert key == "pool_overview.json"
+    assert json.loads(body) == json.loads(
+        (chart_with_assets / "dashboards" / "pool_overview.json").read_text())
+    (rule,) = by_kind(docs, "PrometheusRule").values()
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    src = yaml.safe_load((chart_with_assets / "dashboards" / "alerts.yaml").read_text())
+    assert rule["spec"]["groups"] == src["groups"]  # including the unexpanded {{ $labels }}
+    for g in rule["spec"]["groups"]:
+        assert g["name"] and g["rules"]
+        for r in g["rules"]:
+            assert r["expr"] and ("alert" in r or "record" in r)
+    off = helm.render(chart=chart_with_assets)
+    assert not by_kind(off, "PrometheusRule")
+    assert not [d for d in by_kind(off, "ConfigMap").values()
+                if "grafana_dashboard" in d["metadata"]["labels"]]
+
+
+def test_chart_renders_without_dashboard_files(helm, tmp_path):
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    shutil.rmtree(chart / "dashboards", ignore_errors=True)
+    r = helm.run("install", RELEASE, str(chart), "--dry-run=client", "-f", str(CI_VALUES))
+    docs = [d for d in yaml.safe_load_all(r.stdout.split("NOTES:")[0].split("MANIFEST:")[-1])
+            if d]
+    assert not by_kind(docs, "PrometheusRule")
+    assert "no dashboards/alerts.yaml" in r.stdout
+
+
+def test_chart_dashboards_are_the_repo_sources():
+    """Helm reads files only inside the chart, so the chart links to dashboards/*.json and
+    dashboards/alerts.yaml instead of holding copies that could drift."""
+    src = {f.name for f in (ROOT / "dashboards").glob("*.json")} | {"alerts.yaml"}
+    chart = CHART / "dashboards"
+    assert {f.name for f in chart.iterdir()} == src
+    for name in src:
+        link = chart / name
+        assert link.is_symlink() and link.resolve() == (ROOT / "dashboards" / name).resolve()
+
+
+def test_rendered_config_is_accepted_by_the_connector(helm, tmp_path):
+    """Feed each rendered deployment's extra_config, Mooncake file and env to the connector's
+    own config loader (skipped until the connector package imports)."""
+    config = pytest.importorskip("connector.config")
+    docs = helm.render("-f", str(CI_VALUES))
+    cms = by_kind(docs, "ConfigMap")
+    for d in by_kind(docs, "Deployment").values():
+        spec = d["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        if c["name"] != "vllm":
+            continue
+        vol = next(v for v in spec["volumes"] if v["name"] == "mooncake-config")
+        path = tmp_path / f"{d['metadata']['name']}.json"
+        path.write_text(cms[vol["configMap"]["name"]]["data"]["mooncake.json"])
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        env.update(MOONCAKE_CONFIG_PATH=str(path), MOONCAKE_LOCAL_HOSTNAME="10.1.2.3")
+        kv = json.loads(arg_after(c["args"], "--kv-transfer-config"))
+        cfg = config.load_config(kv.get("kv_connector_extra_config"), env)
+        assert cfg.load_threads == int(env["VLLM_MOONCAKE_LOAD_RECV_THREADS"])
+        assert cfg.store.local_hostname == "10.1.2.3"
+        assert cfg.store.master_server_address.endswith(".llm.svc:50051")
+        assert cfg.on_master_unreachable == "degrade"
+
+
+def test_probes_can_be_dropped(helm):
+    c = vllm_containers(helm.render(values={
+        "deployments": [{"name": "a", "model": "m", "probes": {"liveness": None}}]}))["a"]
+    assert "livenessProbe" not in c and c["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_readme_documents_every_value():
+    """helm/README.md's values tables name every key of the schema."""
+    readme = (ROOT / "helm" / "README.md").read_text()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    missing = [k for k in schema["properties"] if k != "global" and f"`{k}" not in readme]
+    missing += [k for k in schema["definitions"]["deployment"]["properties"]
+                if f"`{k}" not in readme]
+    missing += [k for k in schema["definitions"]["extraConfig"]["properties"]
+                if f"`{k}`" not in readme]
+    assert not missing, f"document these values in helm/README.md: {missing}"
