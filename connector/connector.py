@@ -29,7 +29,7 @@ from connector.stats import PooledStoreStats
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 class PooledMooncakeStoreConnector(KVConnectorBase_V1):

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from connector.metric_catalog import BY_KEY, FAMILIES, LATENCY_BUCKETS, Family
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 def _registered(name: str) -> Any:

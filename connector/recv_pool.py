@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 J = TypeVar("J")
 _STOP = object()
 

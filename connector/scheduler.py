@@ -27,7 +27,7 @@ from connector.store import (
     error_code_label,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
 FIRST_WINDOW = 16  # blocks probed by the first batch_is_exist; later windows grow 4x
 

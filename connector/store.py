@@ -17,7 +17,7 @@ from typing import Any
 
 from connector.config import ConfigError, StoreConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 # ErrorCode values from Mooncake's types.h.
 ERROR_NAMES = {

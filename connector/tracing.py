@@ -21,7 +21,7 @@ from typing import Any
 
 from connector.events import LoadEvent, LookupEvent, SaveEvent
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 DEFAULT_SAMPLE_RATIO = 0.05
 
 

@@ -36,7 +36,7 @@ from connector.store import (
     error_code_label,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 PREEMPTION_WAIT_S = 60.0
 
 
