@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--rss-bound-mib", type=float, default=256.0,
                     help="allowed RSS growth between warm-up and the end")
+    ap.add_argument("--reset-every", type=float, default=5.0,
+                    help="drop vLLM's local prefix cache this often (s) so shared prefixes "
+                         "come from the store")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="mcpool-soak-"))
@@ -71,14 +74,24 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - every failure is reported at the end
             errors.append(repr(e))
 
+    def reset() -> None:
+        try:
+            server.reset_prefix_cache()
+        except OSError:  # refused while requests run; the next one will do
+            pass
+
     try:
         pool = ThreadPoolExecutor(32)
         warm_until = time.monotonic() + 60
         end = time.monotonic() + args.minutes * 60
         rss_warm = None
         next_at = time.monotonic()
+        next_reset = time.monotonic() + args.reset_every
         while time.monotonic() < end:
             pool.submit(one, request_mix(rng, prefixes))
+            if time.monotonic() > next_reset:
+                next_reset += args.reset_every
+                pool.submit(reset)
             if rss_warm is None and time.monotonic() > warm_until:
                 rss_warm = engine_rss(server)
             next_at += 1.0 / args.rate
@@ -101,6 +114,7 @@ def main() -> None:
             "hit_tokens": metric_sum(m, "vllm:external_prefix_cache_hits_total"),
         }
         ok = (not errors and report["store_failures"] == 0 and growth <= args.rss_bound_mib
+              and report["load_jobs"] > 0
               and report["queue_depth_end"] == 0 and report["inflight_end"] == 0
               and report["kv_cache_usage_end"] == 0)
         print("soak report:")
