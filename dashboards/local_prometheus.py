@@ -14,10 +14,7 @@ production Prometheus 2.x setups need the same rule (see dashboards/README.md).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,12 +22,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from devkit.local_cluster import free_port
+from devkit.processes import spawn, stop_process, wait_http
 
 # metric_relabel_configs that undo the client-side `:` -> `_` escaping of vLLM's names.
 RESTORE_COLONS = [{"source_labels": ["__name__"], "regex": "vllm_(.+)",
@@ -45,7 +38,7 @@ class LocalPrometheus:
         self.targets = targets
         self.restore_colons = restore_colons
         self.scrape_interval = scrape_interval
-        self.port = _free_port()
+        self.port = free_port()
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="prometheus-"))
         self.proc: subprocess.Popen | None = None
 
@@ -73,24 +66,12 @@ class LocalPrometheus:
                                     "(scripts/setup_dashboard_tools.sh)")
         cfg = self.workdir / "prometheus.yml"
         cfg.write_text(self._config())
-        log = open(self.workdir / "prometheus.log", "ab")
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [exe, f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d",
-             "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited ({self.proc.returncode}); see "
-                                   f"{self.workdir / 'prometheus.log'}")
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError("prometheus did not become ready")
+             "--log.level=warn"], self.workdir / "prometheus.log")
+        wait_http(self.url + "/-/ready", self.proc, "prometheus", timeout)
+        return self
 
     def api(self, path: str, **params) -> dict:
         url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
@@ -115,13 +96,7 @@ class LocalPrometheus:
         raise TimeoutError(f"targets not up: {state}")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
         self.proc = None
 
     def __enter__(self) -> LocalPrometheus:

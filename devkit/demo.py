@@ -7,15 +7,13 @@ locally made model, a workload that fills the store and then reads it back, and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
-from devkit.local_cluster import MooncakeMaster, StoreNode
-from devkit.tiny_model import make_tiny_llama
-from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from devkit.stack import local_stack
+from devkit.vllm_server import metric_sum
 
 P = "vllm:mooncake_pool_"
 
@@ -74,18 +72,7 @@ def main() -> None:
                     help="leave the stack up until Ctrl-C (scrape /metrics yourself)")
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="mcpool-demo-"))
-    print(f"demo: making a tiny Llama in {work / 'model'}")
-    model = str(make_tiny_llama(work / "model"))
-    master = MooncakeMaster().start()
-    node = StoreNode(master, segment_size="1GB").start()
-    print(f"demo: mooncake_master on {master.address}, store node on port {node.port}")
-    extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
-                                load_threads=args.threads, master_lookup_sample_ratio=1.0)
-    server = VllmServer(model, connector_kv_config(extra))
-    try:
-        print(f"demo: starting vllm serve with the connector (log: {server.log_path}) ...")
-        server.start()
+    with local_stack(args.threads, master_lookup_sample_ratio=1.0) as server:
         prompts = workload(args.requests)
         print(f"demo: pass 1, {len(prompts)} requests: compute and save to the store")
         first = [server.complete(p) for p in prompts]
@@ -102,15 +89,9 @@ def main() -> None:
         print(f"metrics: {server.url}/metrics  (families vllm:mooncake_pool_*)")
         if args.keep_running:
             print("demo: running; Ctrl-C to stop")
-            while True:
-                time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-        node.stop()
-        master.stop()
-
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HOST = "127.0.0.1"
+from devkit.processes import HOST, spawn, stop_process, wait_port
 
 
 def free_port() -> int:
@@ -36,19 +35,6 @@ def _binary(name: str) -> str:
     if not found:
         raise FileNotFoundError(f"{name} not found; run scripts/setup.sh")
     return found
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}")
-        try:
-            with socket.create_connection((HOST, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{what} did not open port {port} within {timeout}s")
 
 
 @dataclass
@@ -83,11 +69,9 @@ class MooncakeMaster:
             "--rpc_enable_tcp_no_delay=true",
             *self.extra_args,
         ]
-        log = open(Path(self.log_dir) / "master.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        _wait_port(self.rpc_port, self.proc, "mooncake_master")
-        _wait_port(self.http_port, self.proc, "mooncake_master metadata server")
+        self.proc = spawn(args, Path(self.log_dir) / "master.log")
+        wait_port(self.rpc_port, self.proc, "mooncake_master")
+        wait_port(self.http_port, self.proc, "mooncake_master metadata server")
         return self
 
     def metrics_text(self) -> str:
@@ -96,7 +80,7 @@ class MooncakeMaster:
             return r.read().decode()
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
         self.proc = None
 
     def store_config(self, **overrides) -> dict:
@@ -138,15 +122,13 @@ class StoreNode:
             f"--global_segment_size={self.segment_size}",
             "--local_buffer_size=16MB",
         ]
-        log = open(Path(self.master.log_dir) / f"store-node-{self.port}.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        _wait_port(self.port, self.proc, "mooncake_client store node")
+        self.proc = spawn(args, Path(self.master.log_dir) / f"store-node-{self.port}.log")
+        wait_port(self.port, self.proc, "mooncake_client store node")
         _wait_segment_mounted(self.master)
         return self
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
         self.proc = None
 
 
@@ -162,17 +144,3 @@ def _wait_segment_mounted(master: MooncakeMaster, timeout: float = 20.0) -> None
             pass
         time.sleep(0.1)
     raise TimeoutError("store node did not mount its segment on the master in time")
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)

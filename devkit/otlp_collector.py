@@ -11,7 +11,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devkit.local_cluster import HOST, _stop, _wait_port, free_port
+from devkit.local_cluster import free_port
+from devkit.processes import HOST, spawn, stop_process, wait_port
 
 _ATTR = re.compile(r"^\s+-> ([\w.]+): \w+\((.*)\)$")
 
@@ -98,19 +99,18 @@ class RotelCollector:
         }
 
     def start(self) -> RotelCollector:
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [_binary(), "start", "--otlp-http-endpoint", f"{HOST}:{self.http_port}",
              "--otlp-grpc-endpoint", f"{HOST}:{self.grpc_port}", "--exporter", "blackhole",
              "--debug-log", "traces", "--debug-log-verbosity", "detailed",
              "--pid-file", os.path.join(self.workdir, "rotel.pid"),
-             "--log-file", os.path.join(self.workdir, "rotel.log")],
-            stdout=open(self.output, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-        _wait_port(self.http_port, self.proc, "rotel")
+             "--log-file", os.path.join(self.workdir, "rotel.log")], self.output)
+        wait_port(self.http_port, self.proc, "rotel")
         return self
 
     def spans(self) -> list[Span]:
         return parse_spans(self.output.read_text(errors="replace"))
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
         self.proc = None

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import psutil
 
-from devkit.local_cluster import MooncakeMaster, StoreNode
-from devkit.tiny_model import make_tiny_llama
-from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from devkit.stack import local_stack
+from devkit.vllm_server import VllmServer, metric_sum
 
 P = "vllm:mooncake_pool_"
 
@@ -51,13 +48,23 @@ def main() -> None:
                          "come from the store")
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="mcpool-soak-"))
-    model = str(make_tiny_llama(work / "model"))
-    master = MooncakeMaster().start()
-    node = StoreNode(master, segment_size="1GB").start()
-    extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
-                                load_threads=args.threads)
-    server = VllmServer(model, connector_kv_config(extra)).start()
+    with local_stack(args.threads) as server:
+        report, errors = run_load(server, args)
+    growth = report["rss_growth_mib"]
+    ok = (not errors and report["store_failures"] == 0 and growth <= args.rss_bound_mib
+          and report["load_jobs"] > 0 and report["queue_depth_end"] == 0
+          and report["inflight_end"] == 0 and report["kv_cache_usage_end"] == 0)
+    print("soak report:")
+    for k, v in report.items():
+        print(f"  {k:20} {v}")
+    verdict = "PASS" if ok else "FAIL"
+    print(f"  {'verdict':20} {verdict} (RSS bound {args.rss_bound_mib} MiB)")
+    if errors:
+        print("  first errors:", errors[:3])
+
+
+def run_load(server: VllmServer, args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """Steady open-loop load for args.minutes; returns the report and any request errors."""
     rng = random.Random(0)
     prefixes = [[rng.randrange(3, 1000) for _ in range(rng.choice((256, 512, 768)))]
                 for _ in range(16)]
@@ -80,54 +87,37 @@ def main() -> None:
         except OSError:  # refused while requests run; the next one will do
             pass
 
-    try:
-        pool = ThreadPoolExecutor(32)
-        warm_until = time.monotonic() + 60
-        end = time.monotonic() + args.minutes * 60
-        rss_warm = None
-        next_at = time.monotonic()
-        next_reset = time.monotonic() + args.reset_every
-        while time.monotonic() < end:
-            pool.submit(one, request_mix(rng, prefixes))
-            if time.monotonic() > next_reset:
-                next_reset += args.reset_every
-                pool.submit(reset)
-            if rss_warm is None and time.monotonic() > warm_until:
-                rss_warm = engine_rss(server)
-            next_at += 1.0 / args.rate
-            time.sleep(max(0.0, next_at - time.monotonic()))
-        pool.shutdown(wait=True)
-        time.sleep(2.0)
-        m = server.metrics()
-        rss_end = engine_rss(server)
-        growth = (rss_end - (rss_warm or rss_end)) / 2**20
-        report = {
-            "minutes": args.minutes, "rate_rps": args.rate, "threads": args.threads,
-            "requests_ok": done, "request_errors": len(errors),
-            "rss_growth_mib": round(growth, 1), "rss_end_mib": round(rss_end / 2**20, 1),
-            "queue_depth_end": metric_sum(m, P + "load_queue_depth"),
-            "inflight_end": metric_sum(m, P + "load_inflight"),
-            "kv_cache_usage_end": metric_sum(m, "vllm:kv_cache_usage_perc"),
-            "store_failures": metric_sum(m, P + "failures_total"),
-            "load_jobs": metric_sum(m, P + "load_jobs_total"),
-            "load_GiB": round(metric_sum(m, P + "load_bytes_total") / 2**30, 3),
-            "hit_tokens": metric_sum(m, "vllm:external_prefix_cache_hits_total"),
-        }
-        ok = (not errors and report["store_failures"] == 0 and growth <= args.rss_bound_mib
-              and report["load_jobs"] > 0
-              and report["queue_depth_end"] == 0 and report["inflight_end"] == 0
-              and report["kv_cache_usage_end"] == 0)
-        print("soak report:")
-        for k, v in report.items():
-            print(f"  {k:20} {v}")
-        print(f"  {'verdict':20} {'PASS' if ok else 'FAIL'} (RSS bound {args.rss_bound_mib} MiB)")
-        if errors:
-            print("  first errors:", errors[:3])
-    finally:
-        server.stop()
-        node.stop()
-        master.stop()
-
+    pool = ThreadPoolExecutor(32)
+    warm_until = time.monotonic() + 60
+    end = time.monotonic() + args.minutes * 60
+    rss_warm = None
+    next_at = next_reset = time.monotonic()
+    while time.monotonic() < end:
+        pool.submit(one, request_mix(rng, prefixes))
+        if time.monotonic() > next_reset:
+            next_reset += args.reset_every
+            pool.submit(reset)
+        if rss_warm is None and time.monotonic() > warm_until:
+            rss_warm = engine_rss(server)
+        next_at += 1.0 / args.rate
+        time.sleep(max(0.0, next_at - time.monotonic()))
+    pool.shutdown(wait=True)
+    time.sleep(2.0)
+    m = server.metrics()
+    rss_end = engine_rss(server)
+    return {
+        "minutes": args.minutes, "rate_rps": args.rate, "threads": args.threads,
+        "requests_ok": done, "request_errors": len(errors),
+        "rss_growth_mib": round((rss_end - (rss_warm or rss_end)) / 2**20, 1),
+        "rss_end_mib": round(rss_end / 2**20, 1),
+        "queue_depth_end": metric_sum(m, P + "load_queue_depth"),
+        "inflight_end": metric_sum(m, P + "load_inflight"),
+        "kv_cache_usage_end": metric_sum(m, "vllm:kv_cache_usage_perc"),
+        "store_failures": metric_sum(m, P + "failures_total"),
+        "load_jobs": metric_sum(m, P + "load_jobs_total"),
+        "load_GiB": round(metric_sum(m, P + "load_bytes_total") / 2**30, 3),
+        "hit_tokens": metric_sum(m, "vllm:external_prefix_cache_hits_total"),
+    }, errors
 
 if __name__ == "__main__":
     main()

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from devkit.local_cluster import HOST, free_port
+from devkit.local_cluster import free_port
+from devkit.processes import HOST, spawn, stop_process, wait_http
 
 BLOCK_SIZE = 32
 REPO = Path(__file__).resolve().parent.parent
@@ -87,22 +86,13 @@ class VllmServer:
     def start(self, timeout: float = 240.0) -> VllmServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **self.env}
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vllm serve not healthy in {timeout}s:\n{self.log_tail()}")
+        self.proc = spawn(self.command(), self.log_path, env=env, cwd=REPO)
+        try:
+            wait_http(self.url + "/health", self.proc, "vllm serve", timeout)
+        except (RuntimeError, TimeoutError) as e:
+            self.stop()
+            raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
+        return self
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -134,13 +124,4 @@ class VllmServer:
             return parse_metrics(r.read().decode())
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        stop_process(self.proc)

@@ -146,3 +146,14 @@ def test_vllm_refuses_to_start_with_bad_thread_count(tiny_model, master):
         server.start(timeout=180)
     assert time.monotonic() - t0 < 180
     assert "load_threads: must be 1..64, got 0" in server.log_tail(400), e.value
+
+
+def test_vllm_refuses_to_start_when_master_unreachable(tiny_model):
+    late = MooncakeMaster()  # ports chosen, never started
+    server = VllmServer(tiny_model, connector_kv_config(late.store_config()))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        server.start(timeout=180)
+    assert time.monotonic() - t0 < 120  # no 90 s setup() retry loop per process
+    assert f"master_server_address: Mooncake master {late.address} is unreachable" in \
+        server.log_tail(400)

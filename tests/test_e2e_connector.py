@@ -10,6 +10,7 @@ from tests.conftest import corrupt_stored_block, engine_extra
 
 
 def serve_from_store(server: VllmServer, prompts: list[list[int]]) -> tuple[list, dict]:
+    server.reset_prefix_cache()  # a shared engine may hold them locally from earlier tests
     before = server.metrics()
     outputs = [server.complete(p) for p in prompts]
     after = server.metrics()
@@ -68,7 +69,7 @@ def test_disable_log_stats_serves_from_store(tiny_model, master, filled_store, p
     Evidence of loads comes from the master's own counter of replica lookups."""
     def replica_lookups() -> float:
         return sum(float(line.split()[-1]) for line in master.metrics_text().splitlines()
-                   if line.startswith("master_get_replica_list_requests_total"))
+                   if line.startswith("master_batch_get_replica_list_requests_total"))
 
     server = VllmServer(tiny_model, connector_kv_config(engine_extra(
         master, cache_prefix=filled_store, load_threads=2)),

@@ -22,8 +22,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +32,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from devkit.local_cluster import free_port
+from devkit.processes import spawn, stop_process, wait_http, wait_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "mooncake-pooled-connector"
@@ -75,12 +76,6 @@ def render_chart(values: dict, tmp: Path) -> list[dict]:
     assert r.returncode == 0, r.stderr
     (tmp / "rendered.yaml").write_text(r.stdout)
     return [d for d in yaml.safe_load_all(r.stdout) if d]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOCAL, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -206,10 +201,7 @@ class LocalProcess:
         env = {**os.environ, **self.env,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                            os.environ.get("PYTHONPATH")]))}
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([*self.argv, *extra_argv], stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                         start_new_session=True)
+        self.proc = spawn([*self.argv, *extra_argv], self.log, env=env, cwd=ROOT)
         return self
 
     def tail(self, n: int = 80) -> str:
@@ -219,43 +211,19 @@ class LocalProcess:
             return ""
 
     def wait_port(self, port: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.argv[0]} exited {self.proc.returncode}:\n"
-                                     f"{self.tail()}")
-            try:
-                with socket.create_connection((LOCAL, port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError(f"{self.argv[0]} did not open {port} in {timeout}s:\n{self.tail()}")
+        try:
+            wait_port(port, self.proc, self.argv[0], timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError(f"{e}:\n{self.tail()}") from None
 
     def wait_http(self, url: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.argv[0]} exited {self.proc.returncode}:\n"
-                                     f"{self.tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                time.sleep(1)
-        raise AssertionError(f"{url} not healthy in {timeout}s:\n{self.tail()}")
+        try:
+            wait_http(url, self.proc, self.argv[0], timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError(f"{e}:\n{self.tail()}") from None
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        stop_process(self.proc)
 
 
 # ---------------------------------------------------------------- HTTP and metrics
