@@ -41,6 +41,7 @@ MOONCAKE_KEYS = (
 # Connector-only keys, accepted in extra_config.
 CONNECTOR_KEYS = (
     "load_threads",
+    "load_split_blocks",
     "cache_prefix",
     "model_id",
     "lookup_timeout_s",
@@ -132,6 +133,7 @@ class ConnectorConfig:
 
     store: StoreConfig
     load_threads: int = 1
+    load_split_blocks: int = 0
     cache_prefix: str = "mcpool"
     model_id: str = ""
     lookup_timeout_s: float = 2.0
@@ -268,6 +270,8 @@ def load_config(
     return ConnectorConfig(
         store=store,
         load_threads=threads,
+        load_split_blocks=opt("load_split_blocks", _int_in_range, 0, 1 << 20,
+                              "0 keeps each request in one job"),
         cache_prefix=opt("cache_prefix", _text),
         model_id=opt("model_id", _text),
         lookup_timeout_s=opt("lookup_timeout_s", _number, 0.001, 600),

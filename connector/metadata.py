@@ -29,6 +29,16 @@ class BlockTransfer:
                 f"{len(self.block_hashes)} hashes"
             )
 
+    def split(self, max_blocks: int) -> list[BlockTransfer]:
+        """Parts of at most max_blocks blocks (0: no split), so several receive threads can
+        share one long request."""
+        n = len(self.block_ids)
+        if max_blocks <= 0 or n <= max_blocks:
+            return [self]
+        return [BlockTransfer(self.req_id, self.block_ids[i:i + max_blocks],
+                              self.block_hashes[i:i + max_blocks], self.trace_id)
+                for i in range(0, n, max_blocks)]
+
 
 @dataclass
 class StepMetadata(KVConnectorMetadata):

@@ -121,11 +121,12 @@ class MooncakeStoreWorker:
     def start_load(self, meta: StepMetadata) -> None:
         now = time.perf_counter()
         ctx = self._context()
+        parts = [p for t in meta.loads for p in t.split(self.config.load_split_blocks)]
         with self._lock:
-            for t in meta.loads:
-                self._pending[t.req_id] += 1
-        for t in meta.loads:
-            self.pool.submit(_Job(t, now, ctx))
+            for p in parts:
+                self._pending[p.req_id] += 1
+        for p in parts:
+            self.pool.submit(_Job(p, now, ctx))
 
     def start_save(self, meta: StepMetadata) -> None:
         if not meta.saves:
@@ -179,11 +180,11 @@ class MooncakeStoreWorker:
         with self._lock:
             # Errors first: vLLM must see the bad blocks no later than the completion.
             self._load_errors.update(failed_blocks)
-            if load:
-                self._done_loads.add(req_id)
             self._pending[req_id] -= 1
             if self._pending[req_id] <= 0:
                 del self._pending[req_id]  # bounded: only requests with jobs in flight
+                if load:  # the last part of the request's load
+                    self._done_loads.add(req_id)
             self._lock.notify_all()
 
     def _gauges(self) -> dict[str, int]:

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from connector.config import CONNECTOR_KEYS
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "mooncake-pooled-connector"
 CI_VALUES = CHART / "ci" / "three-deployments-values.yaml"
@@ -29,12 +31,6 @@ VENV_BIN = Path(sys.executable).parent
 KUBE_VERSION = "1.30.0"
 RELEASE = "pool"
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
-# kv_connector_extra_config keys the connector accepts, besides the Mooncake fields.
-CONNECTOR_KEYS = {
-    "load_threads", "cache_prefix", "model_id", "lookup_timeout_s", "lookup_wait_ms",
-    "enable_save", "enable_load", "save_decode_tokens", "master_lookup_sample_ratio",
-    "trace_sample_ratio", "on_master_unreachable", "store_timeout_s",
-}
 
 
 # ---------------------------------------------------------------- helpers
@@ -283,12 +279,7 @@ def test_extra_config_schema_matches_connector_keys():
     """The chart's extraConfig keys are exactly the connector's, minus load_threads."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     keys = set(schema["definitions"]["extraConfig"]["properties"])
-    assert keys == CONNECTOR_KEYS - {"load_threads"}
-    try:
-        from connector.config import CONNECTOR_KEYS as live
-    except ImportError:
-        return
-    assert keys == set(live) - {"load_threads"}
+    assert keys == set(CONNECTOR_KEYS) - {"load_threads"}
 
 
 def test_global_segment_size_default_follows_store_nodes(helm):

@@ -105,3 +105,20 @@ def test_preemption_waits_for_inflight_saves(make_worker):
     w.start_save(meta)
     w.wait_preempted(StepMetadata(preempted=("p",)))
     assert not w._pending  # the save finished before the blocks could be reused
+
+
+def test_long_request_split_across_threads(make_worker):
+    src = kv_caches(seed=3)
+    writer = make_worker(caches=src, prefix="split")
+    hs = hashes("split", 48)
+    save(writer, "w", range(48), hs)
+    dst = kv_caches(seed=None)
+    reader = make_worker(caches=dst, prefix="split", threads=4, load_split_blocks=6)
+    missing = hs[:20] + hashes("gone", 1) + hs[21:48]  # block 20 is in the 4th part
+    done, errors = run_step(reader, StepMetadata(
+        loads=(BlockTransfer("long", tuple(range(48)), missing),)))
+    assert done == {"long"} and errors == {20}
+    assert sum(reader.pool.jobs_done) == 8 and sum(n > 0 for n in reader.pool.jobs_done) >= 2
+    for name in src:
+        assert torch.equal(dst[name][:, :20], src[name][:, :20])
+        assert torch.equal(dst[name][:, 21:48], src[name][:, 21:48])
