@@ -113,7 +113,9 @@ class MooncakeStoreScheduler:
                 self._store.down_code or "unavailable"))
             return 0
         try:
-            return lk.future.result(timeout=self.config.lookup_wait_ms / 1e3)
+            hit_tokens, event = lk.future.result(timeout=self.config.lookup_wait_ms / 1e3)
+            self.recorder.on_lookup(event)  # counted when used, so a timed-out one counts once
+            return hit_tokens
         except cf.TimeoutError:
             if time.perf_counter() - lk.started < self.config.lookup_timeout_s:
                 return None
@@ -127,8 +129,8 @@ class MooncakeStoreScheduler:
             if lk.future.done():
                 self._lookups.pop(rid, None)
 
-    def _lookup(self, hashes: tuple[bytes, ...]) -> int:
-        """Longest stored prefix, in tokens. Runs on the lookup executor."""
+    def _lookup(self, hashes: tuple[bytes, ...]) -> tuple[int, LookupEvent]:
+        """Longest stored prefix, in tokens, and its event. Runs on the lookup executor."""
         t0 = time.perf_counter()
         found, probed, code = 0, 0, ""
         try:
@@ -154,10 +156,9 @@ class MooncakeStoreScheduler:
             found = 0
         hit_tokens = found * self._block_size
         result = "error" if code else ("hit" if found else "miss")
-        self.recorder.on_lookup(LookupEvent(
-            result, probed, hit_tokens, (len(hashes) - found) * self._block_size,
-            time.perf_counter() - t0, code))
-        return hit_tokens
+        return hit_tokens, LookupEvent(result, probed, hit_tokens,
+                                       (len(hashes) - found) * self._block_size,
+                                       time.perf_counter() - t0, code)
 
     # ---- allocation and per-step metadata --------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
