@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -121,16 +120,9 @@ class DelayProxy:
         return self
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=5)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        from devkit.processes import stop_process
+
+        stop_process(self.proc)
         self.proc = None
 
 

@@ -1,0 +1,91 @@
+"""Smoke test of the benchmark and the tuner: they run end to end against a real local Mooncake
+master + store node and write well-formed results. No performance assertions here: perf claims
+live in the benchmark output (docs/benchmark.md), not in timed tests on a shared CI box.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ROW_FIELDS = {"workload", "driver", "threads", "gbps", "p50_ms", "p99_ms", "ratio_to_1_thread",
+              "ratio_to_ceiling", "master_rtt_ms", "blocks_per_job", "time_shares",
+              "cpu_cores", "error_blocks", "verified_blocks"}
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def quick_result(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    # The quick mode, trimmed to 1 and 4 threads and a 2 ms RTT to fit the suite's budget.
+    proc = _run(["-m", "bench.run", "--quick", "--threads", "1,4", "--rtts", "0,2",
+                 "--duration", "0.3", "--overhead-rounds", "2", "--json", str(out)], 300)
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_rows_have_required_fields_and_sane_values(quick_result):
+    result, _ = quick_result
+    rows = result["rows"]
+    combos = {(r["master_rtt_ms"], r["workload"], r["driver"], r["threads"]) for r in rows}
+    assert len(combos) == len(rows)
+    assert {r["driver"] for r in rows} == {"ours", "in-tree"}
+    assert {r["threads"] for r in rows} == {1, 4}
+    assert {r["master_rtt_ms"] for r in rows} == {0.0, 2.0}
+    workloads = {r["workload"] for r in rows}
+    assert {"4-block", "16-block"} <= workloads
+    assert any(r["sub_job_blocks"] for r in rows) and any(r["blocks_per_job"] >= 256 for r in rows)
+    for r in rows:
+        assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
+        assert r["gbps"] > 0 and math.isfinite(r["gbps"])
+        assert 0 < r["p50_ms"] <= r["p99_ms"]
+        assert r["ratio_to_ceiling"] > 0
+        assert r["error_blocks"] == 0
+        assert r["verified_blocks"] > 0  # bytes compared with the source blocks
+        if r["threads"] == 1:
+            assert r["ratio_to_1_thread"] == 1.0
+        if r["driver"] == "ours":
+            shares = r["time_shares"]
+            assert set(shares) == {"queue_wait", "prepare", "master_lookup", "transfer"}
+            assert 0.5 < sum(v for v in shares.values() if v is not None) < 1.5
+            assert "ratio_to_intree" in r
+            assert sum(r["jobs_per_thread"]) > 0
+
+
+def test_ceiling_overhead_and_targets(quick_result):
+    result, stdout = quick_result
+    c = result["ceiling"]
+    assert c["gbps"] > 0 and c["multibuffer_gbps"] > 0
+    o = result["overhead"]
+    assert set(o["configs"]) == {"off", "off_again", "metrics", "trace_1.0", "default"}
+    assert o["spans_exported"] > 0 and o["spans_export_failed"] == 0
+    for v in o["configs"].values():
+        assert v["gbps_median"] > 0 and "loss_pct" in v
+    assert result["ttft"] == {"skipped": "quick mode"}
+    assert result["long_requests"] and all(s["speedup"] > 0 for s in result["long_requests"])
+    names = [t["target"] for t in result["targets"]]
+    assert any("in-tree" in n for n in names) and any("instrumentation" in n for n in names)
+    assert "Targets:" in stdout and "== master RTT 2 ms" in stdout
+
+
+def test_tune_recommends_and_plots(tmp_path):
+    png, js = tmp_path / "tune.png", tmp_path / "tune.json"
+    proc = _run(["-m", "bench.tune", "--local", "--threads", "1,2", "--duration", "0.3",
+                 "--reps", "1", "--mix", "4:3,16:1", "--plot", str(png), "--json", str(js)],
+                120)
+    assert "recommended: load_threads=" in proc.stdout
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(js.read_text())
+    assert data["recommended"] in (1, 2)
+    assert [r["threads"] for r in data["rows"]] == [1, 2]
