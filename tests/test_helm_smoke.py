@@ -273,7 +273,7 @@ def smoke_values(model_dir: Path) -> dict:
 def test_rendered_chart_runs_locally_and_serves_a_store_hit(tmp_path):
     for exe in ("vllm", "mooncake_master"):
         if not (VENV_BIN / exe).exists():
-            pytest.skip(f"{exe} not installed in {VENV_BIN}; run scripts/setup.sh")
+            pytest.fail(f"{exe} not installed in {VENV_BIN}; run scripts/setup.sh")
     from devkit.tiny_model import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path / "tiny-llama")
