@@ -19,24 +19,36 @@ from typing import Any
 
 import torch
 
-from bench.testbed import Source, Testbed, open_client
+from bench.loop import Guard
+from bench.testbed import Source, Testbed, open_client, wait_until_quiet
 from bench.workloads import Geometry
 from connector.kv_regions import compute_regions
 
 
-def _sweep_reads(client: Any, call: Any, n: int, batch: int, reps: int) -> list[float]:
-    """Seconds per rep of reading all n keys in calls of `batch` keys."""
+def _sweep_reads(tb: Testbed, call: Any, n: int, batch: int, reps: int,
+                 guard: Guard | None) -> list[float]:
+    """Seconds per rep of reading all n keys in calls of `batch` keys; a rep during which
+    other processes loaded the machine is redone (as `Guard` does for the sweep)."""
     out = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for i in range(0, n, batch):
-            call(i, min(n, i + batch))
-        out.append(time.perf_counter() - t0)
+        for attempt in range((guard.retries if guard else 0) + 1):
+            meter = tb.cpu_meter()
+            meter.start()
+            t0 = time.perf_counter()
+            for i in range(0, n, batch):
+                call(i, min(n, i + batch))
+            dt = time.perf_counter() - t0
+            if guard is None or meter.stop()["others"] < guard.threshold \
+                    or attempt == guard.retries:
+                break
+            wait_until_quiet(tb.cpu_meter(), guard.threshold, guard.max_wait_s)
+        out.append(dt)
     return out
 
 
 def raw_ceilings(tb: Testbed, caches: dict[str, torch.Tensor], geometry: Geometry,
-                 source: Source, batches: Sequence[int], reps: int) -> dict[str, Any]:
+                 source: Source, batches: Sequence[int], reps: int,
+                 guard: Guard | None = None) -> dict[str, Any]:
     n = min(source.count, geometry.num_blocks)
     bb = geometry.block_bytes
     names = source.our_keys[:n]
@@ -67,7 +79,7 @@ def raw_ceilings(tb: Testbed, caches: dict[str, torch.Tensor], geometry: Geometr
             by_batch = {}
             for k in batches:
                 k = min(k, n)
-                secs = _sweep_reads(client, call, n, k, reps)
+                secs = _sweep_reads(tb, call, n, k, reps, guard)
                 by_batch[str(k)] = [round(n * bb / s / 1e9, 4) for s in secs]
             best = max(by_batch, key=lambda k: statistics.median(by_batch[k]))
             result[name] = {"gbps": statistics.median(by_batch[best]), "best_keys_per_call":

@@ -1,7 +1,9 @@
 """The load paths under test, behind one small interface.
 
-- `OursDriver`: the connector's own `MooncakeStoreWorker` (start_load -> RecvPool ->
-  batch_get_into_multi_buffers), with its real subscribers (StatsRecorder, SpanExporter).
+- `OursDriver`: the connector's own `MooncakeStoreWorker` (start_load -> RecvPool -> staged
+  `batch_get_into` + scatter, or `batch_get_into_multi_buffers` with staging off), with its
+  real subscribers (StatsRecorder, SpanExporter), and optionally its own long-request
+  splitting (`load_split_blocks`).
 - `InTreeDriver`: vLLM's in-tree receive pool from the installed wheel: N
   `KVCacheStoreRecvingThread`s sharing one `queue.Queue`, built the way the in-tree
   `MooncakeStoreWorker.register_kv_caches` builds them (same key layout, coordinator, token
@@ -36,6 +38,7 @@ class Driver(Protocol):
     name: str  # "ours" | "in-tree"
     label: str  # how results name this driver
     threads: int
+    split_blocks: int  # > 0: the driver splits long requests into parts of this size itself
 
     def submit(self, requests: Sequence[Request]) -> None: ...
 
@@ -113,12 +116,14 @@ class OursDriver:
     def __init__(self, tb: Testbed, master: str, geometry: Geometry,
                  caches: dict[str, torch.Tensor], source: Source, threads: int,
                  lookup_ratio: float, subscribers: Sequence[Any] | None = None,
-                 label: str = "") -> None:
+                 label: str = "", split_blocks: int = 0, staging: str = "auto") -> None:
         extra = {**tb.store_fields(master), "global_segment_size": 0,
                  "local_buffer_size": "16MB", "load_threads": threads,
-                 "master_lookup_sample_ratio": lookup_ratio, "enable_save": False}
+                 "master_lookup_sample_ratio": lookup_ratio, "enable_save": False,
+                 "load_split_blocks": split_blocks, "staging": staging}
         cfg = load_config(extra, environ={})
         self.threads = threads
+        self.split_blocks = split_blocks
         self.label = label or self.name
         self._hashes = source.hashes
         self.worker = MooncakeStoreWorker(cfg, our_keys(geometry, source.prefix), 0,
@@ -187,6 +192,7 @@ class InTreeDriver:
 
         self._data = data
         self.threads = threads
+        self.split_blocks = 0  # no such option in-tree: split requests are built by the bench
         self.label = label or self.name
         self._hashes = source.hashes
         self._bt = geometry.block_tokens

@@ -2,8 +2,10 @@
 polling it like vLLM's engine loop polls the connector (errors, then completions, each step).
 
 Latency is per request, from submission to the poll that sees it finished (the same method for
-every driver; with split requests, until the last part finished). Throughput is the bytes of
-finished requests over the time from the first submission to the last completion.
+every driver; with split requests, until the last part finished: reported by the connector
+itself when it splits, counted here when the sub-jobs are built on the benchmark side).
+Throughput is the bytes of finished requests over the time from the first submission to the
+last completion.
 """
 
 from __future__ import annotations
@@ -79,7 +81,10 @@ def run_workload(driver: Driver, workload: Workload, source: Source,
         if not stopping:
             batch = []
             while (req := stream.take()) is not None:
-                parts = req.parts(workload.split)
+                # A driver that splits requests itself (the connector's load_split_blocks)
+                # gets whole requests; otherwise sub-jobs are built here, each its own job id.
+                native = workload.split and driver.split_blocks == workload.split
+                parts = [req] if native else req.parts(workload.split)
                 left[req.req_id], submitted[req.req_id] = len(parts), now
                 sizes[req.req_id] = len(req.src)
                 for p in parts:

@@ -24,6 +24,7 @@ def build_rows(cells: Sequence[Cell], ceiling_gbps: float, mb_ceiling_gbps: floa
     for (rtt, wname, kind), by_t in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2])):
         base = by_t.get(1) or by_t[min(by_t)]
         other = groups.get((rtt, wname, "in-tree" if kind == "ours" else "ours"), {})
+        multibuf = groups.get((rtt, wname, "ours-multibuf"), {})
         for t, c in sorted(by_t.items()):
             w = c.workload
             phases = c.phases()
@@ -57,6 +58,8 @@ def build_rows(cells: Sequence[Cell], ceiling_gbps: float, mb_ceiling_gbps: floa
                          if b.gbps]
                 row["ratio_to_intree"] = _r(statistics.median(pairs))
                 row["ratio_to_intree_reps"] = [_r(x) for x in pairs]
+            if kind == "ours" and t in multibuf and multibuf[t].gbps:
+                row["ratio_to_multibuf"] = _r(c.gbps / multibuf[t].gbps)
             rows.append(row)
     return rows
 
@@ -247,7 +250,8 @@ def long_request_summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def format_long(summary: Sequence[dict[str, Any]]) -> str:
-    lines = ["Long requests: one request at a time, whole vs split into sub-jobs (bench side)"]
+    lines = ["Long requests, one at a time: whole vs split into parts (ours: the connector's "
+             "load_split_blocks; in-tree: sub-jobs built by the benchmark)"]
     for s in summary:
         lines.append(f"  {s['driver']:<7} RTT {s['master_rtt_ms']:g} ms T={s['threads']}: "
                      f"{s['blocks']} blocks whole p50 {s['whole_p50_ms']:.0f} ms "

@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV layers; a block is layers x 16 KiB (default 8 -> 128 KiB)")
     p.add_argument("--source-blocks", type=int, help="distinct blocks in the store")
     p.add_argument("--lookup-sample-ratio", type=float, default=0.05,
-                   help="connector master_lookup_sample_ratio in the sweep (its default is "
-                        "1.0; see the lookup-probe section for what that costs)")
+                   help="connector master_lookup_sample_ratio in the sweep (see the "
+                        "lookup-probe section for what each ratio costs)")
     p.add_argument("--mbps", type=float, default=0.0,
                    help="bandwidth cap on the proxied master link (0 = none)")
     p.add_argument("--layout-section", action=argparse.BooleanOptionalAction, default=None,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_until_quiet(tb.cpu_meter(), a.noise_threshold, 60.0)
         ceiling = raw_ceilings(tb, caches, geometry, source,
                                (source.count,) if a.quick else (16, 64, 256, source.count),
-                               2 if a.quick else 3)
+                               2 if a.quick else 3, guard)
         result["ceiling"] = ceiling
         log.info("ceiling %.3f GB/s, same-layout %.3f GB/s", ceiling["gbps"],
                  ceiling["multibuffer_gbps"])
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                           num_blocks=geometry.num_blocks)
             caches1 = g1.make_caches()
             src1 = fill_store(tb, g1, a.source_blocks, prefix="bench-1r")
-            ceil1 = raw_ceilings(tb, caches1, g1, src1, (64, 256, src1.count), 3)
+            ceil1 = raw_ceilings(tb, caches1, g1, src1, (64, 256, src1.count), 3, guard)
             ws = [w for w in workloads if w.name in ("16-block", f"long-{a.long_blocks}")]
             cells1, get1 = run_sweep(tb, g1, caches1, src1, [0.0], ws, [1, 2, 4], a.drivers,
                                      a.reps, a.duration, min_req, a.lookup_sample_ratio, guard)
@@ -210,9 +210,14 @@ def main(argv: list[str] | None = None) -> int:
             if not a.quick:
                 log.info("master-lookup probe cost")
                 # One thread at 5 ms: latency-bound, where an extra round trip shows fully.
+                from connector.config import ConnectorConfig
+
+                ratios = sorted({0.0, a.lookup_sample_ratio,
+                                 ConnectorConfig.master_lookup_sample_ratio, 1.0})
                 result["lookup_probe"] = overhead.lookup_probe_cost(
-                    tb, geometry, caches, source, small, 1, 5, a.duration, 5.0,
-                    [0.0, a.lookup_sample_ratio, 1.0], guard)
+                    tb, geometry, caches, source, small, 1, 5, a.duration, 5.0, ratios, guard)
+                result["lookup_probe"]["connector_default_ratio"] = \
+                    ConnectorConfig.master_lookup_sample_ratio
         if a.engine:
             log.info("engine-level TTFT")
             extra = {"metadata_server": tb.metadata_server,

@@ -68,9 +68,10 @@ class Cell:
 
 def make_driver(kind: str, master: str, testbed: Testbed, geometry: Geometry,
                 caches: dict[str, torch.Tensor], source: Source, threads: int,
-                lookup_ratio: float) -> Driver:
-    if kind == "ours":
-        return OursDriver(testbed, master, geometry, caches, source, threads, lookup_ratio)
+                lookup_ratio: float, split: int = 0) -> Driver:
+    if kind in ("ours", "ours-multibuf"):  # the connector with staging auto / off
+        return OursDriver(testbed, master, geometry, caches, source, threads, lookup_ratio,
+                          split_blocks=split, staging="auto" if kind == "ours" else "off")
     if kind == "in-tree":
         return InTreeDriver(testbed, master, geometry, caches, source, threads)
     raise ValueError(f"unknown driver {kind!r}")
@@ -87,9 +88,14 @@ def run_sweep(testbed: Testbed, geometry: Geometry, caches: dict[str, torch.Tens
     for rtt in rtts:
         master = testbed.set_rtt(rtt, mbps)
         get_ms[rtt] = one_key_get_ms(testbed, master, source)
-        drivers = {(k, t): make_driver(k, master, testbed, geometry, caches, source, t,
-                                       lookup_ratio)
-                   for k in kinds for t in threads}
+        # The connector splits long requests itself (load_split_blocks), so each split size
+        # gets its own "ours" workers; the in-tree pool has no such option (the benchmark
+        # submits the sub-jobs).
+        splits = sorted({0} | {w.split for w in workloads})
+        drivers = {(k, t, sp): make_driver(k, master, testbed, geometry, caches, source, t,
+                                           lookup_ratio, sp)
+                   for k in kinds for t in threads for sp in splits
+                   if sp == 0 or k.startswith("ours")}
         try:
             for d in drivers.values():  # connect to the store node before timing anything
                 run_workload(d, workloads[0], source, caches, geometry.block_bytes, 0.0, 2,
@@ -100,7 +106,8 @@ def run_sweep(testbed: Testbed, geometry: Geometry, caches: dict[str, torch.Tens
                     # see the same machine state), driver order and T order alternating.
                     ts = list(threads) if rep % 2 == 0 else list(threads)[::-1]
                     ks = list(kinds) if (rep // 2) % 2 == 0 else list(kinds)[::-1]
-                    order = [((k, t), drivers[(k, t)]) for t in ts for k in ks]
+                    order = [((k, t), drivers.get((k, t, w.split)) or drivers[(k, t, 0)])
+                             for t in ts for k in ks]
                     for (kind, t), d in order:
                         r = guard.run(lambda d=d, w=w: run_workload(
                             d, w, source, caches, geometry.block_bytes, duration_s,

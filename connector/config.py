@@ -24,6 +24,7 @@ CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 MAX_RECV_THREADS = 64
 PROTOCOLS = ("tcp", "rdma")
 ON_MASTER_UNREACHABLE = ("fail", "degrade")
+STAGING_MODES = ("auto", "on", "off")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -42,6 +43,8 @@ MOONCAKE_KEYS = (
 CONNECTOR_KEYS = (
     "load_threads",
     "load_split_blocks",
+    "staging",
+    "staging_buffer_size",
     "cache_prefix",
     "model_id",
     "lookup_timeout_s",
@@ -134,6 +137,10 @@ class ConnectorConfig:
     store: StoreConfig
     load_threads: int = 1
     load_split_blocks: int = 0
+    # Move blocks through a contiguous per-thread buffer (see connector/staging.py):
+    # auto = for KV caches in host memory over TCP.
+    staging: str = "auto"
+    staging_buffer_size: int = 16 * 2**20
     cache_prefix: str = "mcpool"
     model_id: str = ""
     lookup_timeout_s: float = 2.0
@@ -263,6 +270,15 @@ def load_config(
             f"{ON_MASTER_UNREACHABLE[0]!r} (refuse to start) or {ON_MASTER_UNREACHABLE[1]!r} "
             "(serve without the cache and reconnect in the background)"
         )
+    staging = opt("staging", _text).lower()
+    if staging not in STAGING_MODES:
+        raise ConfigError(
+            f"kv_connector_extra_config.staging: {staging!r}; use 'auto' (staged copies for "
+            "host-memory KV caches over tcp), 'on' or 'off' (multi-buffer transfers)"
+        )
+    staging_bytes = (parse_size(extra["staging_buffer_size"],
+                                "kv_connector_extra_config.staging_buffer_size")
+                     if "staging_buffer_size" in extra else ConnectorConfig.staging_buffer_size)
     trace_ratio = (
         _number(extra["trace_sample_ratio"], "kv_connector_extra_config.trace_sample_ratio", 0, 1)
         if "trace_sample_ratio" in extra else None
@@ -272,6 +288,8 @@ def load_config(
         load_threads=threads,
         load_split_blocks=opt("load_split_blocks", _int_in_range, 0, 1 << 20,
                               "0 keeps each request in one job"),
+        staging=staging,
+        staging_buffer_size=staging_bytes,
         cache_prefix=opt("cache_prefix", _text),
         model_id=opt("model_id", _text),
         lookup_timeout_s=opt("lookup_timeout_s", _number, 0.001, 600),

@@ -26,6 +26,7 @@ class BlockRegions:
     sizes: tuple[int, ...]  # bytes of one block in each region
     storages: tuple[tuple[int, int], ...]  # unique (ptr, nbytes) to register with the store
     on_cuda: bool
+    region_storages: tuple[torch.UntypedStorage, ...] = ()  # [R]: the memory each region is in
 
     @property
     def block_bytes(self) -> int:
@@ -44,6 +45,7 @@ def compute_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> Bloc
     strides: list[int] = []
     sizes: list[int] = []
     storages: dict[int, int] = {}
+    region_storages: list[torch.UntypedStorage] = []
     on_cuda = False
     for name, t in kv_caches.items():
         on_cuda = on_cuda or t.is_cuda
@@ -64,11 +66,12 @@ def compute_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> Bloc
                 f"with strides {t.stride()} is not contiguous; this layout is not supported"
             )
         leading = t.shape[0] if block_dim == 1 else 1
+        st = t.untyped_storage()
         for i in range(leading):
             bases.append(t.data_ptr() + i * (t.stride(0) * es if block_dim == 1 else 0))
             strides.append(t.stride(block_dim) * es)
             sizes.append(inner * es)
-        st = t.untyped_storage()
+            region_storages.append(st)
         storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
     if not bases:
         raise LayoutError("no KV cache tensors were registered")
@@ -78,4 +81,5 @@ def compute_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> Bloc
         sizes=tuple(sizes),
         storages=tuple(storages.items()),
         on_cuda=on_cuda,
+        region_storages=tuple(region_storages),
     )

@@ -28,6 +28,7 @@ from connector.keys import KeyBuilder
 from connector.kv_regions import BlockRegions, compute_regions
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool
+from connector.staging import BlockStager
 from connector.stats import StatsRecorder
 from connector.store import (
     EXCEPTION_CODE,
@@ -69,6 +70,9 @@ class MooncakeStoreWorker:
         self._keys = keys
         self._num_blocks = num_blocks
         self._regions: BlockRegions | None = None
+        # Staging buffers (None: multi-buffer transfers): one per receive thread, one for saves.
+        self._load_stagers: list[BlockStager] | None = None
+        self._save_stager: BlockStager | None = None
         self._kv_caches: dict[str, Any] = {}
         self._closed = False
         self._store = StoreHandle(
@@ -102,13 +106,32 @@ class MooncakeStoreWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._regions = compute_regions(kv_caches, self._num_blocks)
         self._kv_caches = kv_caches  # registered memory must outlive the store client
-        logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv threads",
-                    len(self._regions.sizes), self._regions.block_bytes, self.tp_rank,
-                    self.pool.size)
+        if self._use_staging():
+            mk = lambda: BlockStager(self._regions, self._num_blocks,  # noqa: E731
+                                     self.config.staging_buffer_size)
+            self._load_stagers = [mk() for _ in range(self.pool.size)]
+            self._save_stager = mk() if self.config.enable_save else None
+        logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
+                    "threads, %s", len(self._regions.sizes), self._regions.block_bytes,
+                    self.tp_rank, self.pool.size,
+                    f"staged transfers ({self._load_stagers[0].capacity} blocks per call)"
+                    if self._load_stagers else "multi-buffer transfers")
         self._store.on_connect(self._register_buffers)
 
+    def _use_staging(self) -> bool:
+        mode = self.config.staging
+        if mode == "on" and self._regions.on_cuda:
+            raise ValueError("kv_connector_extra_config.staging: 'on' needs the KV caches in "
+                             "host memory, these are on CUDA; use 'auto' or 'off'")
+        return mode == "on" or (mode == "auto" and not self._regions.on_cuda
+                                and self.config.store.protocol == "tcp")
+
+    def _stagers(self) -> list[BlockStager]:
+        return [*(self._load_stagers or ()), *([self._save_stager] if self._save_stager else [])]
+
     def _register_buffers(self, client: Any) -> None:
-        for ptr, size in self._regions.storages:
+        buffers = [(s.buffer.data_ptr(), s.nbytes) for s in self._stagers()]
+        for ptr, size in [*self._regions.storages, *buffers]:
             rc = client.register_buffer(ptr, size)
             if rc != 0:
                 logger.error("register_buffer(%#x, %d) failed with %d; loads and saves on "
@@ -227,14 +250,16 @@ class MooncakeStoreWorker:
         try:
             client = self._connected()
             keys = self._keys.keys(t.block_hashes, self.tp_rank)
-            addrs, sizes = self._regions.addresses(t.block_ids)
+            stager = self._load_stagers[thread] if self._load_stagers else None
+            addrs = None if stager else self._regions.addresses(t.block_ids)
             t_prepared = t_lookup_end = time.perf_counter()
             self._job_count[thread] += 1
             if self._lookup_every and self._job_count[thread] % self._lookup_every == 0:
                 client.batch_get_replica_desc(keys)
                 t_lookup_end = time.perf_counter()
                 sampled = True
-            results = client.batch_get_into_multi_buffers(keys, addrs, sizes)
+            results = (self._staged_get(client, stager, keys, t.block_ids) if stager
+                       else client.batch_get_into_multi_buffers(keys, *addrs))
             want = self._regions.block_bytes
             if len(results) != len(keys):
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
@@ -258,6 +283,36 @@ class MooncakeStoreWorker:
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
             trace_parent=job.trace_parent))
+
+    @staticmethod
+    def _staged_get(client: Any, stager: BlockStager, keys: list[str],
+                    block_ids: list[int]) -> list[int]:
+        """Get into the staging buffer a buffer-full at a time and scatter the blocks that
+        arrived whole; per-key results as the multi-buffer get returns them."""
+        results: list[int] = []
+        for i in range(0, len(keys), stager.capacity):
+            n = min(stager.capacity, len(keys) - i)
+            res = client.batch_get_into(keys[i:i + n], stager.addresses[:n], stager.sizes[:n])
+            ids = block_ids[i:i + n]
+            ok = [j for j, r in enumerate(res) if r == stager.block_bytes]
+            if len(ok) == len(res):
+                stager.scatter(ids)
+            elif ok:  # never copy a short or failed read into the cache
+                stager.scatter([ids[j] for j in ok], rows=ok)
+            results.extend(res)
+        return results
+
+    @staticmethod
+    def _staged_put(client: Any, stager: BlockStager, keys: list[str],
+                    block_ids: list[int]) -> list[int]:
+        results: list[int] = []
+        for i in range(0, len(keys), stager.capacity):
+            ids = block_ids[i:i + stager.capacity]
+            n = len(ids)
+            stager.gather(ids)
+            results.extend(client.batch_put_from(keys[i:i + n], stager.addresses[:n],
+                                                 stager.sizes[:n]))
+        return results
 
     # ---- save thread -----------------------------------------------------------------------
     def _save_loop(self) -> None:
@@ -289,9 +344,12 @@ class MooncakeStoreWorker:
             new = [i for i, e in enumerate(exists) if e != 1]
             skipped = len(keys) - len(new)
             if new:
-                addrs, sizes = self._regions.addresses([t.block_ids[i] for i in new])
-                results = client.batch_put_from_multi_buffers([keys[i] for i in new], addrs,
-                                                              sizes)
+                new_keys, new_ids = [keys[i] for i in new], [t.block_ids[i] for i in new]
+                results = (
+                    self._staged_put(client, self._save_stager, new_keys, new_ids)
+                    if self._save_stager else
+                    client.batch_put_from_multi_buffers(new_keys,
+                                                        *self._regions.addresses(new_ids)))
                 # -705: another writer stored the same block meanwhile; that is a skip.
                 skipped += sum(1 for r in results if r == -705)
                 stored = sum(1 for r in results if r == 0)

@@ -51,7 +51,15 @@ def test_rdma_needs_a_device():
     assert "device_name" in error_for({"protocol": "rdma"})
 
 
-@pytest.mark.parametrize("field", ["global_segment_size", "local_buffer_size"])
+def test_staging_mode():
+    assert load_config(BASE, {}).staging == "auto"
+    assert load_config({**BASE, "staging": "OFF"}, {}).staging == "off"
+    msg = error_for({"staging": "sometimes"})
+    assert "staging" in msg and "'auto'" in msg
+
+
+@pytest.mark.parametrize("field", ["global_segment_size", "local_buffer_size",
+                                   "staging_buffer_size"])
 @pytest.mark.parametrize("value", ["4 gigs", "-5", -5, "GB", [4]])
 def test_malformed_sizes(field, value):
     msg = error_for({field: value})

@@ -21,13 +21,22 @@ def save(worker, req_id, block_ids, hs):
                                   free_after_jobs=(req_id,)))
 
 
-def test_saved_blocks_load_back_byte_exact(make_worker):
+# Writer and reader transfer modes: staged (a contiguous buffer per thread, 2 blocks per call
+# here so jobs span several calls) or multi-buffer; a block stored by either loads in the other.
+STAGED_2 = {"staging": "on", "staging_buffer_size": 2 * 16 * 1024}
+MODES = {"staged": STAGED_2, "multibuf": {"staging": "off"}}
+
+
+@pytest.mark.parametrize("write_mode,read_mode", [("staged", "staged"), ("multibuf", "staged"),
+                                                  ("staged", "multibuf")])
+def test_saved_blocks_load_back_byte_exact(make_worker, write_mode, read_mode):
     src = kv_caches(seed=1)
-    writer = make_worker(caches=src, prefix="exact")
+    prefix = f"exact-{write_mode}-{read_mode}"
+    writer = make_worker(caches=src, prefix=prefix, **MODES[write_mode])
     hs = hashes("exact", 8)
     save(writer, "w", range(8), hs)
     dst = kv_caches(seed=None)
-    reader = make_worker(caches=dst, prefix="exact")
+    reader = make_worker(caches=dst, prefix=prefix, **MODES[read_mode])
     done, errors = run_step(reader, StepMetadata(
         loads=(BlockTransfer("r", tuple(range(20, 28)), hs),)))
     assert done == {"r"} and errors == set()
@@ -50,16 +59,22 @@ def test_burst_spreads_over_all_threads(make_worker):
         assert stats["c"][f"load_bytes|0|{t}"] > 0
 
 
-def test_missing_key_reports_exactly_its_blocks(make_worker):
-    w = make_worker(prefix="missing")
+@pytest.mark.parametrize("mode", list(MODES))
+def test_missing_key_reports_exactly_its_blocks(make_worker, mode):
+    caches = kv_caches(seed=2)
+    w = make_worker(prefix=f"missing-{mode}", caches=caches, **MODES[mode])
     hs = hashes("missing", 6)
     save(w, "seed", (0, 1, 3, 4, 5), hs[:2] + hs[3:])  # block 2's key is never stored
     block_ids = (40, 41, 42, 43, 44, 45)
     stored = (hs[0], hs[1], hashes("absent", 1)[0], hs[3], hs[4], hs[5])
+    before = {n: t.clone() for n, t in caches.items()}
     done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("r", block_ids, stored),)))
     assert done == {"r"}
     assert errors == {42}
     assert w.recorder.snapshot().data["c"]["failures|0|load|-704"] == 1
+    for n, t in caches.items():  # the blocks that arrived are in place, block 42 untouched
+        assert torch.equal(t[:, [40, 41, 43, 44, 45]], before[n][:, [0, 1, 3, 4, 5]])
+        assert torch.equal(t[:, 42], before[n][:, 42])
 
 
 def test_too_small_buffer_reports_its_blocks(make_worker):

@@ -1,0 +1,76 @@
+"""Staged block copies: the store moves each block as ONE contiguous buffer, and a few torch
+copies move it between that buffer and the block's KV regions.
+
+Why: a block in vLLM's KV layout is R regions (one per layer, or per layer and K/V), and the
+store's multi-buffer calls move every region as its own slice. Over Mooncake's TCP transport each
+slice costs client CPU: with 8 regions of 16 KiB a multi-buffer get moves about a third of what a
+contiguous get moves on the same cores (docs/benchmark.md). A staging buffer per thread makes
+each key one slice, and R `index_copy_` calls (memory speed, GIL released) scatter a whole batch
+into place. With RDMA, or KV caches on a GPU, the NIC scatters for free and staging would only
+add a copy, so `staging: auto` uses it for CPU caches over TCP only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from connector.kv_regions import BlockRegions
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _word(regions: BlockRegions) -> tuple[int, torch.dtype]:
+    """The widest integer type every region offset, stride and size is a multiple of (wide
+    elements make `index_copy_` run at memcpy speed; bytes would be about 6x slower)."""
+    offsets = [int(b) - st.data_ptr() for b, st in zip(regions.bases, regions.region_storages,
+                                                       strict=True)]
+    values = [*offsets, *regions.strides.tolist(), *regions.sizes]
+    return next((w, dt) for w, dt in _WORDS if all(v % w == 0 for v in values))
+
+
+class BlockStager:
+    """One thread's staging buffer of `capacity` blocks, registered with the store."""
+
+    def __init__(self, regions: BlockRegions, num_blocks: int, buffer_bytes: int) -> None:
+        if regions.on_cuda or not regions.region_storages:
+            raise ValueError("staging needs the KV caches in host memory")
+        w, dt = _word(regions)
+        self.block_bytes = regions.block_bytes
+        self.capacity = max(1, buffer_bytes // self.block_bytes)
+        self.buffer = torch.empty((self.capacity, self.block_bytes // w), dtype=dt)
+        ptr = self.buffer.data_ptr()
+        self.addresses = [ptr + i * self.block_bytes for i in range(self.capacity)]
+        self.sizes = [self.block_bytes] * self.capacity
+        # Each region as a [num_blocks, size] tensor over the cache memory, and its columns in
+        # a staged block (the stored object is the regions concatenated in this order).
+        self._regions: list[tuple[torch.Tensor, int, int]] = []
+        col = 0
+        for base, stride, size, st in zip(regions.bases.tolist(), regions.strides.tolist(),
+                                          regions.sizes, regions.region_storages, strict=True):
+            view = torch.empty(0, dtype=dt).set_(st, (base - st.data_ptr()) // w,
+                                                 (num_blocks, size // w), (stride // w, 1))
+            self._regions.append((view, col, col + size // w))
+            col += size // w
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def scatter(self, block_ids: Sequence[int], rows: Sequence[int] | None = None) -> None:
+        """Copy staged blocks (rows 0..n-1, or `rows`) into KV blocks `block_ids`."""
+        if not block_ids:
+            return
+        idx = torch.tensor(block_ids, dtype=torch.int64)
+        src = self.buffer[:len(block_ids)] if rows is None else \
+            self.buffer.index_select(0, torch.tensor(rows, dtype=torch.int64))
+        for view, a, b in self._regions:
+            view.index_copy_(0, idx, src[:, a:b])
+
+    def gather(self, block_ids: Sequence[int]) -> None:
+        """Copy KV blocks `block_ids` into staging rows 0..n-1."""
+        idx = torch.tensor(block_ids, dtype=torch.int64)
+        dst = self.buffer[:len(block_ids)]
+        for view, a, b in self._regions:
+            dst[:, a:b] = view.index_select(0, idx)
