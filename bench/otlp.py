@@ -1,5 +1,5 @@
-"""A real local OTLP receiver for the instrumentation-cost runs, and a tracer provider whose
-exports are counted, so the report can show the spans really left the process.
+"""A real local OTLP receiver for the instrumentation-cost runs, and an SDK tracer provider
+whose exports are counted, so the report can show the spans really left the process.
 
 The receiver is `rotel-agent` (from the `rotel` wheel; a Rust OTLP collector, exporter
 `blackhole`) in its own process. Without rotel, a stdlib HTTP sink in a child process accepts
@@ -106,20 +106,13 @@ class CountingExporter:
         return True
 
 
-def install_tracer_provider(endpoint: str) -> tuple[Any, CountingExporter]:
-    """Make an SDK TracerProvider exporting to `endpoint` the global one.
-
-    The connector's SpanExporter reuses a global SDK provider when there is one (as when vLLM
-    set up tracing), so every SpanExporter in this process exports through it.
-    """
-    from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+def counting_provider(counter: CountingExporter) -> Any:
+    """An SDK TracerProvider exporting through `counter` (the connector's SdkWriter path, as
+    when vLLM set up a provider in the worker process)."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    counter = CountingExporter(OTLPSpanExporter(endpoint=endpoint))
     provider = TracerProvider(resource=Resource.create({"service.name": "mcpool-bench"}))
     provider.add_span_processor(BatchSpanProcessor(counter))
-    trace.set_tracer_provider(provider)
-    return provider, counter
+    return provider

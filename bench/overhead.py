@@ -4,8 +4,10 @@
    - `off`: no subscribers (no StatsRecorder, no tracing), and `off_again`, a second such
      worker: the A/A difference is the noise floor of the comparison;
    - `metrics`: StatsRecorder only (what the worker runs when tracing is not configured);
-   - `trace 1.0`: StatsRecorder + SpanExporter sampling every job, exporting over OTLP/HTTP
-     to a real local receiver;
+   - `trace_1.0`: StatsRecorder + SpanExporter sampling every job with its default (lean
+     OTLP/HTTP) writer, exporting to a real local receiver;
+   - `trace_1.0_sdk`: the same through an OpenTelemetry SDK TracerProvider (the path taken
+     when vLLM set one up in the worker process);
    - `default`: StatsRecorder + SpanExporter at the connector's default ratio.
    The configurations alternate in rounds (order rotated every round), several rounds, and
    the loss is the median of the per-round paired ratios to `off`, because run-to-run noise on
@@ -27,15 +29,28 @@ import torch
 
 from bench.drivers import OursDriver
 from bench.loop import Guard, RunResult, run_workload
-from bench.otlp import OtlpReceiver, install_tracer_provider
+from bench.otlp import CountingExporter, OtlpReceiver, counting_provider
 from bench.testbed import Source, Testbed
 from bench.workloads import Geometry, Workload
 from connector.events import LoadEvent
 from connector.stats import StatsRecorder
-from connector.tracing import DEFAULT_SAMPLE_RATIO, SpanExporter
+from connector.tracing import DEFAULT_SAMPLE_RATIO, OtlpWriter, SdkWriter, SpanExporter
 
 PER_EVENT_SAMPLES = 6_000
-FLUSH_EVERY = 300  # jobs; keeps the BatchSpanProcessor queue (2048 spans) from dropping any
+FLUSH_EVERY = 300  # jobs; keeps the SDK's BatchSpanProcessor queue (2048 spans) from dropping
+
+# The configurations compared: name -> (trace ratio or None for no tracing, span writer, meaning)
+CONFIGS: dict[str, tuple[float | None, str, str]] = {
+    "off": (None, "", "no subscribers (no StatsRecorder, no SpanExporter)"),
+    "off_again": (None, "", "a second, identical 'off' worker (A/A noise floor)"),
+    "metrics": (None, "", "StatsRecorder only (the worker's default without OTEL_* set)"),
+    "trace_1.0": (1.0, "otlp", "StatsRecorder + SpanExporter ratio 1.0, lean OTLP/HTTP writer "
+                               "(the default)"),
+    "trace_1.0_sdk": (1.0, "sdk", "StatsRecorder + SpanExporter ratio 1.0 through an SDK "
+                                  "TracerProvider (as when vLLM set one up) -> OTLP/HTTP"),
+    "default": (DEFAULT_SAMPLE_RATIO, "otlp",
+                f"StatsRecorder + SpanExporter ratio {DEFAULT_SAMPLE_RATIO} (lean writer)"),
+}
 
 
 @dataclass
@@ -96,10 +111,55 @@ def _alternate(drivers: dict[str, OursDriver], workload: Workload, rounds: int,
             comp.runs.setdefault(name, []).append(r)
 
 
-def per_event_cost_us(provider: Any, threads: int) -> dict[str, float]:
+def _flush(subs: Sequence[Any]) -> None:
+    """Build and export every handed-over span (the trace and export threads' work)."""
+    for sub in subs:
+        if isinstance(sub, SpanExporter):
+            sub.flush()
+            if isinstance(sub.writer, SdkWriter):
+                sub.writer.force_flush()
+
+
+class _Writers:
+    """Span writers for the configurations, all exporting to one local OTLP receiver, with
+    their exported / failed span counts."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._endpoint = endpoint
+        self.made: list[Any] = []
+
+    def make(self, kind: str) -> Any:
+        if kind == "sdk":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            counter = CountingExporter(OTLPSpanExporter(endpoint=self._endpoint))
+            writer = SdkWriter(counting_provider(counter), owned=True)
+            writer.counter = counter
+        else:
+            writer = OtlpWriter({"service.name": "mcpool-bench"},
+                                {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self._endpoint})
+            writer.counter = writer.exporter
+        self.made.append(writer)
+        return writer
+
+    def subscribers(self, cfg: str, threads: int) -> list[Any]:
+        ratio, kind, _ = CONFIGS[cfg]
+        if cfg.startswith("off"):
+            return []
+        subs: list[Any] = [StatsRecorder(0, threads)]
+        if ratio is not None:
+            subs.append(SpanExporter(ratio, 0, "bench", writer=self.make(kind)))
+        return subs
+
+    def counts(self) -> tuple[int, int]:
+        return (sum(w.counter.exported for w in self.made),
+                sum(w.counter.failed for w in self.made))
+
+
+def per_event_cost_us(writers: _Writers, threads: int) -> dict[str, float]:
     """CPU microseconds per finished load job that each configuration's subscribers cost:
-    the event fan-out on the receive thread, the recorder snapshots vLLM takes every step,
-    and the span export thread (flushed before the clock stops). Deterministic where the
+    the event fan-out on the receive thread, the recorder snapshots vLLM takes every step, and
+    the trace and export threads (flushed before the clock stops). Deterministic where the
     end-to-end comparison is noisy."""
     import time
 
@@ -109,14 +169,8 @@ def per_event_cost_us(provider: Any, threads: int) -> dict[str, float]:
                    t_prepared=t + 2e-4, t_lookup_end=t + 2e-4, t_end=t + 1e-3,
                    lookup_sampled=False)
     out = {}
-    configs = {"off": lambda: [], "off_again": lambda: [],
-               "metrics": lambda: [StatsRecorder(0, threads)],
-               "trace_1.0": lambda: [StatsRecorder(0, threads),
-                                     SpanExporter(1.0, 0, "bench")],
-               "default": lambda: [StatsRecorder(0, threads),
-                                   SpanExporter(DEFAULT_SAMPLE_RATIO, 0, "bench")]}
-    for name, make in configs.items():
-        subs = make()
+    for name in CONFIGS:
+        subs = writers.subscribers(name, threads)
         c0 = time.process_time()
         for i in range(PER_EVENT_SAMPLES):
             ev.thread = i % threads
@@ -127,56 +181,12 @@ def per_event_cost_us(provider: Any, threads: int) -> dict[str, float]:
                     if isinstance(sub, StatsRecorder):
                         sub.snapshot()
             if i % FLUSH_EVERY == FLUSH_EVERY - 1:
-                provider.force_flush(30_000)
-        provider.force_flush(30_000)
+                _flush(subs)
+        _flush(subs)
         out[name] = round((time.process_time() - c0) / PER_EVENT_SAMPLES * 1e6, 2)
-    return out
-
-
-def span_shape_cost_us(endpoint: str) -> dict[str, float]:
-    """CPU per job of the span shapes one could emit, through a private provider: 5 spans per
-    job (root + queue_wait/prepare/master_lookup/transfer, as the connector does) or 1 span
-    (phases as attributes), with a no-op exporter (SDK cost only) and with OTLP/HTTP."""
-    import time
-
-    from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
-
-    class _Null:
-        def export(self, spans: Any) -> Any:
-            return SpanExportResult.SUCCESS
-
-        def shutdown(self) -> None:
-            pass
-
-        def force_flush(self, timeout_millis: int = 0) -> bool:
-            return True
-
-    attrs = {"thread": 1, "tp_rank": 0, "keys": 4, "bytes": 1 << 19, "status": "ok",
-             "error_code": "", "failed_blocks": 0, "request_hash": "0123456789abcdef"}
-    out = {}
-    for exp_name, make in (("noop_exporter", _Null),
-                           ("otlp_http", lambda: OTLPSpanExporter(endpoint=endpoint))):
-        for spans in (5, 1):
-            p = TracerProvider()
-            p.add_span_processor(BatchSpanProcessor(make()))
-            tr = p.get_tracer("bench")
-            t = time.time_ns()
-            c0 = time.process_time()
-            for i in range(PER_EVENT_SAMPLES):
-                root = tr.start_span("mooncake.load", start_time=t, attributes=attrs)
-                ctx = trace.set_span_in_context(root)
-                for _ in range(spans - 1):
-                    tr.start_span("phase", context=ctx, start_time=t).end(end_time=t + 1000)
-                root.end(end_time=t + 5000)
-                if i % FLUSH_EVERY == FLUSH_EVERY - 1:
-                    p.force_flush(30_000)
-            p.force_flush(30_000)
-            out[f"{spans}_span{'s' if spans > 1 else ''}_{exp_name}"] = round(
-                (time.process_time() - c0) / PER_EVENT_SAMPLES * 1e6, 1)
-            p.shutdown()
+        for sub in subs:
+            if isinstance(sub, SpanExporter):
+                sub.shutdown()
     return out
 
 
@@ -186,43 +196,30 @@ def instrumentation_cost(testbed: Testbed, geometry: Geometry, caches: dict[str,
                          rtt_ms: float = 0.0) -> dict[str, Any]:
     receiver = OtlpReceiver().start()
     testbed.pids["otlp_receiver"] = receiver.proc.pid
-    provider, counter = install_tracer_provider(receiver.traces_endpoint)
+    writers = _Writers(receiver.traces_endpoint)
     master = testbed.set_rtt(rtt_ms)
-    mk = lambda subs: OursDriver(testbed, master, geometry, caches, source, threads,
-                                 lookup_ratio, subscribers=subs)
     drivers: dict[str, OursDriver] = {}
     try:
-        drivers["off"] = mk([])
-        drivers["off_again"] = mk([])  # A/A: the noise floor of this comparison
-        drivers["metrics"] = mk(None)
-        drivers["trace_1.0"] = mk(None)
-        drivers["trace_1.0"].worker.add_subscriber(SpanExporter(1.0, 0, "bench"))
-        drivers["default"] = mk(None)
-        drivers["default"].worker.add_subscriber(
-            SpanExporter(DEFAULT_SAMPLE_RATIO, 0, "bench"))
+        for cfg in CONFIGS:
+            drivers[cfg] = OursDriver(testbed, master, geometry, caches, source, threads,
+                                      lookup_ratio, subscribers=writers.subscribers(cfg, threads))
         comp = Comparison(workload.name, threads, rtt_ms, "off", notes={
             "otlp_receiver": receiver.kind, "default_trace_ratio": DEFAULT_SAMPLE_RATIO,
             "master_lookup_sample_ratio": lookup_ratio,
-            "configs_meaning": {
-                "off": "no subscribers (no StatsRecorder, no SpanExporter)",
-                "off_again": "a second, identical 'off' worker (A/A noise floor)",
-                "metrics": "StatsRecorder only (the worker's default without OTEL_* set)",
-                "trace_1.0": "StatsRecorder + SpanExporter ratio 1.0 -> OTLP/HTTP",
-                "default": f"StatsRecorder + SpanExporter ratio {DEFAULT_SAMPLE_RATIO}"}})
+            "configs_meaning": {k: v[2] for k, v in CONFIGS.items()}})
         _alternate(drivers, workload, rounds, duration_s, 20, testbed, source, caches,
                    geometry.block_bytes, comp, guard)
-        provider.force_flush(10_000)
-        comp.notes["spans_exported"] = counter.exported
-        comp.notes["spans_export_failed"] = counter.failed
+        for d in drivers.values():
+            _flush(d.worker.subscribers)
+        comp.notes["spans_exported"], comp.notes["spans_export_failed"] = writers.counts()
         summary = comp.summary()
         # CPU model: jobs/s at the 'off' throughput x extra CPU per job, as a share of the
         # client CPU the 'off' runs used.
-        cost = per_event_cost_us(provider, threads)
+        cost = per_event_cost_us(writers, threads)
         off = summary["configs"]["off"]
         jobs_s = off["gbps_median"] * 1e9 / (workload.sizes[0] * geometry.block_bytes)
         client = statistics.median(r.cpu.get("client", 0.0) for r in comp.runs["off"])
         summary["per_job_cpu_us"] = cost
-        summary["span_shape_cpu_us_per_job"] = span_shape_cost_us(receiver.traces_endpoint)
         for cfg, v in summary["configs"].items():
             extra = (cost[cfg] - cost["off"]) * jobs_s / 1e6
             v["cpu_model_loss_pct"] = round(100 * extra / client, 2) if client else None
@@ -233,7 +230,8 @@ def instrumentation_cost(testbed: Testbed, geometry: Geometry, caches: dict[str,
     finally:
         for d in drivers.values():
             d.close()
-        provider.shutdown()
+        for w in writers.made:
+            w.shutdown()
         receiver.stop()
         testbed.pids.pop("otlp_receiver", None)
 

@@ -122,8 +122,6 @@ def format_comparison(title: str, summary: dict[str, Any]) -> str:
                      + f"  client CPU {v['client_cpu_s_per_gb']:.2f} s/GB  reps {v['gbps_reps']}")
     if "per_job_cpu_us" in summary:
         lines.append(f"  subscriber CPU per load job (us): {summary['per_job_cpu_us']}")
-    if "span_shape_cpu_us_per_job" in summary:
-        lines.append(f"  span shapes, CPU per job (us): {summary['span_shape_cpu_us_per_job']}")
     for k in ("spans_exported", "spans_export_failed", "otlp_receiver"):
         if k in summary:
             lines.append(f"  {k}: {summary[k]}")

@@ -68,7 +68,8 @@ def test_ceiling_overhead_and_targets(quick_result):
     c = result["ceiling"]
     assert c["gbps"] > 0 and c["multibuffer_gbps"] > 0
     o = result["overhead"]
-    assert set(o["configs"]) == {"off", "off_again", "metrics", "trace_1.0", "default"}
+    assert set(o["configs"]) == {"off", "off_again", "metrics", "trace_1.0", "trace_1.0_sdk",
+                                "default"}
     assert o["spans_exported"] > 0 and o["spans_export_failed"] == 0
     for v in o["configs"].values():
         assert v["gbps_median"] > 0 and "loss_pct" in v
