@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rtts", type=_floats, help="master RTTs in ms (0 = direct); "
                    "default 0,1,5 (quick: 0,5)")
     p.add_argument("--threads", type=_ints, default=[1, 2, 4, 8])
-    p.add_argument("--drivers", default="ours,in-tree")
+    p.add_argument("--drivers", help="load paths to compare: ours (staging auto), "
+                   "ours-multibuf (staging off), in-tree (default: all three; quick: ours, "
+                   "in-tree)")
     p.add_argument("--workloads", default="",
                    help="only workloads whose name starts with one of these (comma list)")
     p.add_argument("--reps", type=int, help="interleaved repetitions (default 4, quick 1)")
@@ -96,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.engine = (not q) if a.engine is None else a.engine
     a.retries = (0 if q else 3) if a.retries is None else a.retries
     a.layout_section = (not q) if a.layout_section is None else a.layout_section
+    a.drivers = a.drivers or ("ours,in-tree" if q else "ours,ours-multibuf,in-tree")
     a.drivers = [d.strip() for d in a.drivers.split(",") if d.strip()]
     return a
 

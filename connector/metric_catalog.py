@@ -45,7 +45,7 @@ FAMILIES: tuple[Family, ...] = (
     # Receive pool, per thread.
     Family("recv_threads", "gauge", _R, "Configured receive threads (VLLM_MOONCAKE_LOAD_RECV_THREADS).",
            "Which thread count is each deployment running?"),
-    Family("layout_info", "gauge", ("tp_rank", "fingerprint", "hash_algo"), "Always 1; labels give the key-namespace fingerprint and block-hash algorithm.",
+    Family("layout_info", "gauge", ("tp_rank", "fingerprint", "hash_algo", "transfer"), "Always 1; labels give the key-namespace fingerprint, block-hash algorithm and transfer mode (staged or multibuffer).",
            "Do two engines that should share blocks use the same key namespace?"),
     Family("load_queue_depth", "gauge", _R, "Peak number of load jobs waiting in the shared receive queue during the last engine step.",
            "Are the receive threads keeping up?"),

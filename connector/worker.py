@@ -96,7 +96,7 @@ class MooncakeStoreWorker:
         self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges)
         self.subscribers: list[Subscriber] = [self.recorder]
         self._get_context = None
-        self._info_key = f"layout_info|{tp_rank}|{keys.fingerprint}|{keys.layout.hash_algo}"
+        self._info_key = f"layout_info|{tp_rank}|{keys.fingerprint}|{keys.layout.hash_algo}|"
 
     def add_subscriber(self, sub: Subscriber) -> None:
         self.subscribers.append(sub)
@@ -111,6 +111,7 @@ class MooncakeStoreWorker:
                                      self.config.staging_buffer_size)
             self._load_stagers = [mk() for _ in range(self.pool.size)]
             self._save_stager = mk() if self.config.enable_save else None
+        self._info_key += "staged" if self._load_stagers else "multibuffer"
         logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
                     "threads, %s", len(self._regions.sizes), self._regions.block_bytes,
                     self.tp_rank, self.pool.size,

@@ -225,11 +225,12 @@ ERRORS_AND_STORE = Dash(
             ), "Store keys (blocks x TP namespaces) the scheduler asks the master about per "
                "second: the lookup load on the master.", width=6),
             P("Key namespace per pod and rank", "short", (
-                (f"max by (model_name, pod, tp_rank, fingerprint, hash_algo) "
+                (f"max by (model_name, pod, tp_rank, fingerprint, hash_algo, transfer) "
                  f"({series('layout_info')})", ""),
             ), "The layout fingerprint (model, dtype, block size, KV heads, layers, TP size, "
                "hash algorithm) in every store key. Engines of one model can share blocks only "
-               "when their fingerprints match (and PYTHONHASHSEED, for non-sha256 hashes).",
+               "when their fingerprints match (and PYTHONHASHSEED, for non-sha256 hashes). "
+               "transfer: staged (contiguous buffer + copies) or multibuffer.",
               kind="table", width=24, height=6, table_value=None),
         )),
         Row("Mooncake master", (
