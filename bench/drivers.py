@@ -116,11 +116,15 @@ class OursDriver:
     def __init__(self, tb: Testbed, master: str, geometry: Geometry,
                  caches: dict[str, torch.Tensor], source: Source, threads: int,
                  lookup_ratio: float, subscribers: Sequence[Any] | None = None,
-                 label: str = "", split_blocks: int = 0, staging: str = "auto") -> None:
+                 label: str = "", split_blocks: int = 0, staging: str = "auto",
+                 auto: bool = False) -> None:
+        """`auto`: load_threads auto with at most `threads` threads."""
         extra = {**tb.store_fields(master), "global_segment_size": 0,
-                 "local_buffer_size": "16MB", "load_threads": threads,
+                 "local_buffer_size": "16MB", "load_threads": "auto" if auto else threads,
                  "master_lookup_sample_ratio": lookup_ratio, "enable_save": False,
                  "load_split_blocks": split_blocks, "staging": staging}
+        if auto:
+            extra["load_threads_max"] = threads
         cfg = load_config(extra, environ={})
         self.threads = threads
         self.split_blocks = split_blocks

@@ -163,8 +163,8 @@ def _row(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
 
 
 def evaluate_targets(rows: Sequence[dict[str, Any]], overhead: dict[str, Any] | None,
-                     ttft: dict[str, Any] | None, single_region: Sequence[dict[str, Any]] = ()
-                     ) -> list[dict[str, Any]]:
+                     ttft: dict[str, Any] | None, single_region: Sequence[dict[str, Any]] = (),
+                     auto: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The issue's targets as measured ratios; `met` is None where there is no measurement."""
     out: list[dict[str, Any]] = []
 
@@ -217,6 +217,10 @@ def evaluate_targets(rows: Sequence[dict[str, Any]], overhead: dict[str, Any] | 
         add("store-hit TTFT <= 0.5x recompute",
             {str(r["threads"]): r["hit_over_recompute"] for r in ttft["by_threads"]},
             worst <= 0.5)
+    if auto:
+        add("load_threads auto within 10 % of the best fixed setting",
+            {f"{r['workload']} RTT {r['master_rtt_ms']:g} ms": r["auto_over_best_fixed"]
+             for r in auto}, all(r["auto_over_best_fixed"] >= 0.9 for r in auto))
     return out
 
 

@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "mode only)")
     p.add_argument("--overhead-rounds", type=int, help="alternating rounds (11; quick 3)")
     p.add_argument("--no-overhead", action="store_true")
+    p.add_argument("--auto-section", action=argparse.BooleanOptionalAction, default=None,
+                   help="load_threads auto vs fixed counts (default: full mode only)")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=None,
                    help="engine-level TTFT (default on in full mode, off in quick mode)")
     p.add_argument("--engine-threads", type=_ints, default=[1, 4])
@@ -98,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.engine = (not q) if a.engine is None else a.engine
     a.retries = (0 if q else 3) if a.retries is None else a.retries
     a.layout_section = (not q) if a.layout_section is None else a.layout_section
+    a.auto_section = (not q) if a.auto_section is None else a.auto_section
     a.drivers = a.drivers or ("ours,in-tree" if q else "ours,ours-multibuf,in-tree")
     a.drivers = [d.strip() for d in a.drivers.split(",") if d.strip()]
     return a
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench import engine, overhead, report
+    from bench import autothreads, engine, overhead, report
     from bench.ceiling import raw_ceilings
     from bench.loop import Guard
     from bench.sweep import run_sweep
@@ -221,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
                     tb, geometry, caches, source, small, 1, 5, a.duration, 5.0, ratios, guard)
                 result["lookup_probe"]["connector_default_ratio"] = \
                     ConnectorConfig.master_lookup_sample_ratio
+        if a.auto_section:
+            log.info("load_threads auto vs fixed")
+            rtt_hi = max(a.rtts)
+            result["auto_threads"] = autothreads.auto_vs_fixed(
+                tb, geometry, caches, source, [(0.0, small), (rtt_hi, small)], a.threads,
+                3 if a.quick else 5, a.duration, 4.0 if a.quick else 10.0,
+                a.lookup_sample_ratio, guard)
         if a.engine:
             log.info("engine-level TTFT")
             extra = {"metadata_server": tb.metadata_server,
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     single = result.get("layout_single_region", {}).get("rows", [])
     result["targets"] = report.evaluate_targets(rows, result.get("overhead"), result["ttft"],
-                                                single)
+                                                single, result.get("auto_threads"))
     result["meta"]["host"]["loadavg_end"] = list(os.getloadavg())
     result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
 
@@ -249,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if "lookup_probe" in result:
         parts += ["", report.format_comparison("Master-lookup probe cost",
                                                result["lookup_probe"])]
+    if "auto_threads" in result:
+        parts += ["", autothreads.format_auto(result["auto_threads"])]
     parts += ["", report.format_ttft(result["ttft"]), "", report.format_targets(result["targets"]),
               "", f"wall time {result['meta']['wall_s']} s, load average "
                   f"{result['meta']['host']['loadavg_start'][0]:.1f} -> "

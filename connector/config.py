@@ -22,6 +22,7 @@ from typing import Any
 RECV_THREADS_ENV = "VLLM_MOONCAKE_LOAD_RECV_THREADS"
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 MAX_RECV_THREADS = 64
+DEFAULT_AUTO_MAX = 8
 PROTOCOLS = ("tcp", "rdma")
 ON_MASTER_UNREACHABLE = ("fail", "degrade")
 STAGING_MODES = ("auto", "on", "off")
@@ -42,6 +43,7 @@ MOONCAKE_KEYS = (
 # Connector-only keys, accepted in extra_config.
 CONNECTOR_KEYS = (
     "load_threads",
+    "load_threads_max",
     "load_split_blocks",
     "staging",
     "staging_buffer_size",
@@ -135,7 +137,8 @@ class ConnectorConfig:
     """Everything the connector needs, validated."""
 
     store: StoreConfig
-    load_threads: int = 1
+    load_threads: int = 1  # receive threads in the pool (with auto: the maximum)
+    load_threads_auto: bool = False  # adapt the active count online (connector/autotune.py)
     load_split_blocks: int = 0
     # Move blocks through a contiguous per-thread buffer (see connector/staging.py):
     # auto = for KV caches in host memory over TCP.
@@ -247,17 +250,21 @@ def load_config(
             "set device_name or use protocol tcp"
         )
 
-    fix_threads = f"set {RECV_THREADS_ENV} or extra_config load_threads to 1..{MAX_RECV_THREADS}"
-    if "load_threads" in extra:
-        threads = _int_in_range(
-            extra["load_threads"], "kv_connector_extra_config.load_threads", 1,
-            MAX_RECV_THREADS, fix_threads,
-        )
+    fix_threads = (f"set {RECV_THREADS_ENV} or extra_config load_threads to 1..{MAX_RECV_THREADS}"
+                   " or auto")
+    name, value = (("kv_connector_extra_config.load_threads", extra["load_threads"])
+                   if "load_threads" in extra else (RECV_THREADS_ENV,
+                                                    environ.get(RECV_THREADS_ENV, "1")))
+    auto = isinstance(value, str) and value.strip().lower() == "auto"
+    if auto:
+        threads = _int_in_range(extra.get("load_threads_max", DEFAULT_AUTO_MAX),
+                                "kv_connector_extra_config.load_threads_max", 1,
+                                MAX_RECV_THREADS, "the most threads load_threads: auto may use")
     else:
-        threads = _int_in_range(
-            environ.get(RECV_THREADS_ENV, "1"), RECV_THREADS_ENV, 1, MAX_RECV_THREADS,
-            fix_threads,
-        )
+        if "load_threads_max" in extra:
+            raise ConfigError("kv_connector_extra_config.load_threads_max: only used with "
+                              "load_threads: auto; remove it or set load_threads to auto")
+        threads = _int_in_range(value, name, 1, MAX_RECV_THREADS, fix_threads)
 
     def opt(key: str, parse, *args):
         return parse(extra[key], f"kv_connector_extra_config.{key}", *args) if key in extra \
@@ -286,6 +293,7 @@ def load_config(
     return ConnectorConfig(
         store=store,
         load_threads=threads,
+        load_threads_auto=auto,
         load_split_blocks=opt("load_split_blocks", _int_in_range, 0, 1 << 20,
                               "0 keeps each request in one job"),
         staging=staging,

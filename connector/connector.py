@@ -77,9 +77,10 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
             ratio = sample_ratio(self.config.trace_sample_ratio)
             if ratio > 0:
                 self.worker.add_subscriber(SpanExporter(ratio, tp_rank, "worker"))
-        logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %d receive threads, "
-                    "keys %s", tp_rank, tp_size, self.config.load_threads,
-                    self.keys.fingerprint)
+        logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
+                    "keys %s", tp_rank, tp_size,
+                    f"auto 1..{self.config.load_threads}" if self.config.load_threads_auto
+                    else self.config.load_threads, self.keys.fingerprint)
 
     # ---- classmethods used by vLLM at config time and in the API server -------------------
     @classmethod

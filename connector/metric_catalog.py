@@ -43,8 +43,10 @@ _R = ("tp_rank",)
 
 FAMILIES: tuple[Family, ...] = (
     # Receive pool, per thread.
-    Family("recv_threads", "gauge", _R, "Configured receive threads (VLLM_MOONCAKE_LOAD_RECV_THREADS).",
+    Family("recv_threads", "gauge", _R, "Receive threads in the pool (VLLM_MOONCAKE_LOAD_RECV_THREADS; with auto, the maximum).",
            "Which thread count is each deployment running?"),
+    Family("recv_threads_active", "gauge", _R, "Receive threads taking jobs now: the configured count, or the current choice of load_threads: auto.",
+           "What thread count did auto settle on?"),
     Family("layout_info", "gauge", ("tp_rank", "fingerprint", "hash_algo", "transfer"), "Always 1; labels give the key-namespace fingerprint, block-hash algorithm and transfer mode (staged or multibuffer).",
            "Do two engines that should share blocks use the same key namespace?"),
     Family("load_queue_depth", "gauge", _R, "Peak number of load jobs waiting in the shared receive queue during the last engine step.",

@@ -6,6 +6,7 @@ control phases overlap with other jobs' transfers (the store calls release the G
 
 The pool knows nothing about KV caches: it hands each job to `handler(job, thread_index)`,
 keeps per-thread in-flight flags for the gauges, and survives any exception a handler raises.
+`set_active(n)` parks threads n.. (they stop taking jobs), for `load_threads: auto`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class RecvPool(Generic[J]):
         # would miss a burst that the threads drain within the step.
         self._peak_depth = 0
         self._busy = [0] * threads
+        self.active = threads  # threads with index < active take jobs
+        self._gate = threading.Condition()
+        self._closing = False
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}", daemon=True)
             for i in range(threads)
@@ -48,6 +52,12 @@ class RecvPool(Generic[J]):
         self._queue.put(job)
         self._peak_depth = max(self._peak_depth, self._queue.qsize())
 
+    def set_active(self, n: int) -> None:
+        """Let threads 0..n-1 take jobs; the others park after their current job."""
+        with self._gate:
+            self.active = max(1, min(n, self.size))
+            self._gate.notify_all()
+
     def depth(self) -> int:
         """Jobs waiting for a thread."""
         return self._queue.qsize()
@@ -61,6 +71,10 @@ class RecvPool(Generic[J]):
 
     def _run(self, index: int) -> None:
         while True:
+            if index >= self.active:
+                with self._gate:
+                    while index >= self.active and not self._closing:
+                        self._gate.wait()
             job = self._queue.get()
             if job is _STOP:
                 return
@@ -75,6 +89,9 @@ class RecvPool(Generic[J]):
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop after the queued jobs; never blocks longer than `timeout` in total."""
+        with self._gate:
+            self._closing = True  # parked threads go on to take their stop marker
+            self._gate.notify_all()
         for _ in self._threads:
             self._queue.put(_STOP)
         deadline = time.monotonic() + timeout

@@ -95,6 +95,10 @@ class MooncakeStoreWorker:
         self._save_thread.start()
         self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges)
         self.subscribers: list[Subscriber] = [self.recorder]
+        if config.load_threads_auto:
+            from connector.autotune import ThreadTuner
+
+            self.subscribers.append(ThreadTuner(config.load_threads, self.pool.set_active))
         self._get_context = None
         self._info_key = f"layout_info|{tp_rank}|{keys.fingerprint}|{keys.layout.hash_algo}|"
 
@@ -217,6 +221,7 @@ class MooncakeStoreWorker:
         g = {f"load_queue_depth|{self.tp_rank}": depth,
              f"save_queue_depth|{self.tp_rank}": self._save_queue.qsize(),
              f"recv_threads|{self.tp_rank}": self.pool.size,
+             f"recv_threads_active|{self.tp_rank}": self.pool.active,
              self._info_key: 1}
         for i, v in enumerate(busy):
             g[f"load_inflight|{self.tp_rank}|{i}"] = v

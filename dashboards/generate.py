@@ -126,8 +126,11 @@ LOAD_PIPELINE = Dash(
             P("Shared load queue depth vs receive threads", "short", (
                 (f"max by ({_BY_RANK}) ({series('load_queue_depth')})", f"queued {_RANK}"),
                 (f"max by ({_BY_RANK}) ({series('recv_threads')})", f"recv_threads {_RANK}"),
+                (f"max by ({_BY_RANK}) ({series('recv_threads_active')})", f"active {_RANK}"),
             ), "Jobs waiting in the shared receive queue, sampled each engine step. Staying above "
-               "recv_threads means the pool is saturated (alert MooncakePoolLoadQueueSaturated)."),
+               "recv_threads means the pool is saturated (alert MooncakePoolLoadQueueSaturated). "
+               "active: threads taking jobs (with load_threads auto, the tuner's choice; "
+               "recv_threads is then the maximum)."),
             P("In-flight load jobs per thread", "short", (
                 (f"sum by (thread) ({series('load_inflight')})", "thread {{thread}}"),
             ), "Jobs each receive thread is working on (0 or 1 per rank), summed over ranks."),
@@ -137,8 +140,9 @@ LOAD_PIPELINE = Dash(
                "ranks. Near 100% on every thread: add threads.", min=0),
             P("Receive threads per deployment", "short", (
                 (f"max by (model_name, pod, tp_rank) ({series('recv_threads')})", ""),
-            ), "The configured load_threads (VLLM_MOONCAKE_LOAD_RECV_THREADS) of each pod and "
-               "rank.", kind="table", width=24, height=6, table_value="recv_threads"),
+            ), "The configured load_threads (VLLM_MOONCAKE_LOAD_RECV_THREADS; with auto, the "
+               "maximum) of each pod and rank.", kind="table", width=24, height=6,
+              table_value="recv_threads"),
         )),
         Row("Latency by phase, per thread (p99 solid, p50 dashed)", (
             P("Queue wait", "s", p50_p99("load_queue_wait_seconds"),

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from connector.config import CONNECTOR_KEYS
+from connector.config import CONNECTOR_KEYS, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "mooncake-pooled-connector"
@@ -204,6 +204,21 @@ def test_three_deployments_carry_their_own_thread_count(helm):
         assert env["MOONCAKE_CONFIG_PATH"]["value"] == "/etc/mooncake/mooncake.json"
         assert env["MOONCAKE_LOCAL_HOSTNAME"]["valueFrom"]["fieldRef"]["fieldPath"] == \
             "status.podIP"
+
+
+def test_recv_threads_auto_with_a_maximum(helm):
+    docs = helm.render("-f", str(CI_VALUES), "--set", "deployments[0].name=auto",
+                       "--set", "deployments[0].recvThreads=auto",
+                       "--set", "deployments[0].extraConfig.load_threads_max=6")
+    c = vllm_containers(docs)["auto"]
+    assert env_of(c)["VLLM_MOONCAKE_LOAD_RECV_THREADS"]["value"] == "auto"
+    cfg = json.loads(arg_after(c["args"], "--kv-transfer-config"))
+    assert cfg["kv_connector_extra_config"]["load_threads_max"] == 6
+    # The connector accepts exactly what the chart rendered.
+    extra = {**cfg["kv_connector_extra_config"], "master_server_address": "m:1",
+             "metadata_server": "http://m:2/metadata"}
+    parsed = load_config(extra, {"VLLM_MOONCAKE_LOAD_RECV_THREADS": "auto"})
+    assert parsed.load_threads_auto and parsed.load_threads == 6
 
 
 def test_each_deployment_has_its_own_mooncake_configmap(helm):
