@@ -63,13 +63,26 @@ class Comparison:
     baseline: str
     runs: dict[str, list[RunResult]] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
+    also_baseline: tuple[str, ...] = ()
 
     def median_gbps(self, cfg: str) -> float:
         return statistics.median(r.gbps for r in self.runs[cfg])
 
+    def _base(self, rnd: int) -> float:
+        """A round's baseline: the mean of the identical baseline configurations (`off` and
+        `off_again` average out half of one run's noise)."""
+        names = [self.baseline] + [n for n in self.also_baseline if n in self.runs]
+        return statistics.mean(self.runs[n][rnd].gbps for n in names)
+
     def paired_ratio(self, cfg: str) -> float:
         """Median over rounds of cfg/baseline throughput within the same round."""
-        pairs = zip(self.runs[cfg], self.runs[self.baseline], strict=True)
+        return statistics.median(r.gbps / self._base(i) for i, r in enumerate(self.runs[cfg]))
+
+    def aa_ratio(self) -> float | None:
+        """Median of off_again/off: how far two identical configurations drift apart here."""
+        if not self.also_baseline or self.also_baseline[0] not in self.runs:
+            return None
+        pairs = zip(self.runs[self.also_baseline[0]], self.runs[self.baseline], strict=True)
         return statistics.median(a.gbps / b.gbps for a, b in pairs)
 
     def cpu_s_per_gb(self, cfg: str) -> float:
@@ -81,6 +94,10 @@ class Comparison:
                                "master_rtt_ms": self.rtt_ms, "baseline": self.baseline,
                                "rounds": len(self.runs[self.baseline]), **self.notes,
                                "configs": {}}
+        if self.also_baseline:
+            out["baseline"] = " + ".join((self.baseline, *self.also_baseline)) + " (mean)"
+            aa = self.aa_ratio()
+            out["aa_loss_pct"] = None if aa is None else round((1 - aa) * 100, 2)
         for cfg, runs in self.runs.items():
             ratio = self.paired_ratio(cfg)
             out["configs"][cfg] = {
@@ -90,6 +107,8 @@ class Comparison:
                 "loss_pct": round((1 - ratio) * 100, 2),
                 "client_cpu_s_per_gb": round(self.cpu_s_per_gb(cfg), 3),
                 "others_cores": [r.cpu.get("others") for r in runs],
+                "cores_by_process": {k: round(statistics.median(r.cpu.get(k, 0.0) for r in runs), 3)
+                                     for k in runs[0].cpu if k != "others"},
                 "error_blocks": sum(r.error_blocks for r in runs),
             }
         return out
@@ -203,10 +222,11 @@ def instrumentation_cost(testbed: Testbed, geometry: Geometry, caches: dict[str,
         for cfg in CONFIGS:
             drivers[cfg] = OursDriver(testbed, master, geometry, caches, source, threads,
                                       lookup_ratio, subscribers=writers.subscribers(cfg, threads))
-        comp = Comparison(workload.name, threads, rtt_ms, "off", notes={
-            "otlp_receiver": receiver.kind, "default_trace_ratio": DEFAULT_SAMPLE_RATIO,
-            "master_lookup_sample_ratio": lookup_ratio,
-            "configs_meaning": {k: v[2] for k, v in CONFIGS.items()}})
+        notes = {"otlp_receiver": receiver.kind, "default_trace_ratio": DEFAULT_SAMPLE_RATIO,
+                 "master_lookup_sample_ratio": lookup_ratio,
+                 "configs_meaning": {k: v[2] for k, v in CONFIGS.items()}}
+        comp = Comparison(workload.name, threads, rtt_ms, "off", also_baseline=("off_again",),
+                          notes=notes)
         _alternate(drivers, workload, rounds, duration_s, 20, testbed, source, caches,
                    geometry.block_bytes, comp, guard)
         for d in drivers.values():

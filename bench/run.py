@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout-section", action=argparse.BooleanOptionalAction, default=None,
                    help="also sweep a one-region-per-block layout at RTT 0 (default: full "
                         "mode only)")
-    p.add_argument("--overhead-rounds", type=int, help="alternating rounds (11; quick 3)")
+    p.add_argument("--overhead-rounds", type=int, help="alternating rounds (15; quick 3)")
     p.add_argument("--no-overhead", action="store_true")
     p.add_argument("--auto-section", action=argparse.BooleanOptionalAction, default=None,
                    help="load_threads auto vs fixed counts (default: full mode only)")
@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.long_blocks = a.long_blocks or (256 if q else 1024)
     a.split = (64 if q else 128) if a.split is None else a.split
     a.source_blocks = a.source_blocks or (512 if q else 1024)
-    a.overhead_rounds = a.overhead_rounds or (3 if q else 11)
+    a.overhead_rounds = a.overhead_rounds or (3 if q else 15)
     a.engine = (not q) if a.engine is None else a.engine
     a.retries = (0 if q else 3) if a.retries is None else a.retries
     a.layout_section = (not q) if a.layout_section is None else a.layout_section

@@ -7,10 +7,12 @@ threads only contend and throughput drops. Measured on one 2-core host: 4 thread
 thread at a 5 ms master RTT, and 0.75x at no delay (docs/benchmark.md). No fixed value is right
 for both.
 
-How: hill climbing on load throughput, and only while jobs queue up (when nothing waits, the
-pool is not the bottleneck and its size does not matter). The tuner is a subscriber of the
-worker's load events: each receive thread adds its job's bytes, queue wait and service time to
-its own slot (no lock on the data path); a tuner thread reads the sums every `window_s`.
+How: hill climbing on the pool's load capacity (bytes per busy thread-second x active
+threads: the throughput while saturated, immune to idle gaps), and only while jobs queue up
+(when nothing waits, the pool is not the bottleneck and its size does not matter). The tuner
+is a subscriber of the worker's load events: each receive thread adds its job's bytes, queue
+wait and service time to its own slot (no lock on the data path); a tuner thread reads the
+sums every `window_s`.
 A probe moves the active count, skips one window for the transition, measures
 `MEASURE_WINDOWS`, and keeps the move if throughput rose by `UP_GAIN` (more threads) or fell
 by less than `DOWN_LOSS` (fewer threads). A kept move is followed at once by a twice larger
@@ -44,12 +46,15 @@ class Window:
     jobs: int
     nbytes: int
     wait_s: float
-    service_s: float
-    seconds: float
+    service_s: float  # summed over the jobs: thread-seconds spent on them
+    threads: int  # active threads during the window
 
     @property
     def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Pool capacity: bytes per busy thread-second times the active threads. Unlike bytes
+        per wall second it does not drop when load arrives in bursts that leave the window
+        partly idle, so windows of different fill compare fairly."""
+        return self.nbytes / self.service_s * self.threads / 1e9 if self.service_s > 0 else 0.0
 
     @property
     def backlogged(self) -> bool:
@@ -161,7 +166,7 @@ class ThreadTuner:
             d = [a - b for a, b in zip(now, self._last, strict=True)]
             self._last = now
             before = self._climber.active
-            after = self._climber.step(Window(int(d[0]), int(d[1]), d[2], d[3], self._window_s))
+            after = self._climber.step(Window(int(d[0]), int(d[1]), d[2], d[3], before))
             if after != before:
                 self._set_active(after)
                 logger.debug("auto load threads: %d -> %d", before, after)

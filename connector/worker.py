@@ -111,10 +111,11 @@ class MooncakeStoreWorker:
         self._regions = compute_regions(kv_caches, self._num_blocks)
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         if self._use_staging():
-            mk = lambda: BlockStager(self._regions, self._num_blocks,  # noqa: E731
-                                     self.config.staging_buffer_size)
-            self._load_stagers = [mk() for _ in range(self.pool.size)]
-            self._save_stager = mk() if self.config.enable_save else None
+            size = self.config.staging_buffer_size
+            self._load_stagers = [BlockStager(self._regions, self._num_blocks, size)
+                                  for _ in range(self.pool.size)]
+            if self.config.enable_save:
+                self._save_stager = BlockStager(self._regions, self._num_blocks, size)
         self._info_key += "staged" if self._load_stagers else "multibuffer"
         logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
                     "threads, %s", len(self._regions.sizes), self._regions.block_bytes,

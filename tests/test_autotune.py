@@ -22,12 +22,16 @@ def settle(curve: dict[int, float], start: int, maximum: int = 8, windows: int =
     c = HillClimber(start, maximum)
     seen = []
     for _ in range(windows):
-        gbps = curve[c.active]
-        wait = 1.0 if backlog else 0.0
-        c.step(Window(jobs=50, nbytes=int(gbps * 1e9 * 0.5), wait_s=wait, service_s=1.0,
-                      seconds=0.5))
+        c.step(window(curve[c.active], c.active, backlog))
         seen.append(c.active)
     return seen
+
+
+def window(gbps: float, threads: int, backlog: bool = True, busy: float = 1.0) -> Window:
+    """A 0.5 s window at `gbps` with `threads` busy for `busy` of it (idle gaps < 1)."""
+    service = threads * 0.5 * busy
+    return Window(jobs=50, nbytes=int(gbps * 1e9 * 0.5 * busy), threads=threads,
+                  wait_s=service if backlog else 0.0, service_s=service)
 
 
 @pytest.mark.parametrize("curve,best", [
@@ -46,6 +50,11 @@ def test_settles_at_the_peak(curve, best):
         assert mean_gbps >= 0.9 * max(curve.values())
 
 
+def test_partly_idle_windows_do_not_look_slower():
+    """Bursty load: a window half idle has half the bytes but the same capacity."""
+    assert window(0.5, 2, busy=0.5).gbps == pytest.approx(window(0.5, 2).gbps)
+
+
 def test_no_backlog_no_change():
     curve = {n: 0.1 * n for n in range(1, 9)}
     assert set(settle(curve, 2, backlog=False)) == {2}
@@ -54,12 +63,12 @@ def test_no_backlog_no_change():
 def test_sparse_windows_are_ignored():
     c = HillClimber(2, 8)
     for _ in range(50):
-        assert c.step(Window(jobs=1, nbytes=10, wait_s=5.0, service_s=1.0, seconds=0.5)) == 2
+        assert c.step(Window(jobs=1, nbytes=10, wait_s=5.0, service_s=1.0, threads=2)) == 2
 
 
 def test_probe_needs_measured_baseline():
     c = HillClimber(1, 8)
-    w = Window(jobs=50, nbytes=10**8, wait_s=1.0, service_s=1.0, seconds=0.5)
+    w = window(0.2, 1)
     assert [c.step(w) for _ in range(MEASURE_WINDOWS)][-1] == 2  # probes after the baseline
 
 
@@ -134,9 +143,7 @@ def test_noisy_windows_stay_near_the_peak(seed):
     c = HillClimber(2, 8)
     got = []
     for _ in range(600):
-        gbps = curve[c.active] * rng.uniform(0.85, 1.15)
-        c.step(Window(jobs=50, nbytes=int(gbps * 0.5e9), wait_s=1.0, service_s=1.0,
-                      seconds=0.5))
+        c.step(window(curve[c.active] * rng.uniform(0.85, 1.15), c.active))
         got.append(curve[c.active])
     assert sum(got[100:]) / len(got[100:]) >= 0.9 * max(curve.values())
 
