@@ -7,9 +7,9 @@ threads only contend and throughput drops. Measured on one 2-core host: 4 thread
 thread at a 5 ms master RTT, and 0.75x at no delay (docs/benchmark.md). No fixed value is right
 for both.
 
-How: hill climbing on the pool's load capacity (bytes per busy thread-second x active
-threads: the throughput while saturated, immune to idle gaps), and only while jobs queue up
-(when nothing waits, the pool is not the bottleneck and its size does not matter). The tuner
+How: hill climbing on load throughput, measured only in saturated windows (jobs queued and
+the active threads busy nearly all the time: the pool's capacity at that count; windows with
+idle gaps are skipped), so only while the pool is the bottleneck. The tuner
 is a subscriber of the worker's load events: each receive thread adds its job's bytes, queue
 wait and service time to its own slot (no lock on the data path); a tuner thread reads the
 sums every `window_s`.
@@ -34,6 +34,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 WINDOW_S = 0.5
 MIN_JOBS = 6  # a window with fewer finished jobs says nothing
+SATURATED = 0.8  # busy share of the active threads' time for a window to be compared
 BACKLOG = 0.25  # mean queue wait above this share of mean service time = jobs are waiting
 UP_GAIN = 1.05
 DOWN_LOSS = 0.95
@@ -48,17 +49,22 @@ class Window:
     wait_s: float
     service_s: float  # summed over the jobs: thread-seconds spent on them
     threads: int  # active threads during the window
+    seconds: float
 
     @property
     def gbps(self) -> float:
-        """Pool capacity: bytes per busy thread-second times the active threads. Unlike bytes
-        per wall second it does not drop when load arrives in bursts that leave the window
-        partly idle, so windows of different fill compare fairly."""
-        return self.nbytes / self.service_s * self.threads / 1e9 if self.service_s > 0 else 0.0
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     @property
     def backlogged(self) -> bool:
         return self.jobs >= MIN_JOBS and self.wait_s > BACKLOG * self.service_s
+
+    @property
+    def saturated(self) -> bool:
+        """Jobs queued and every active thread busy nearly all the window: its throughput is
+        the pool's capacity at this thread count. Partly idle windows (bursty load) would
+        make any setting look slower, so they are not compared."""
+        return self.backlogged and self.service_s >= SATURATED * self.threads * self.seconds
 
 
 class HillClimber:
@@ -77,13 +83,13 @@ class HillClimber:
 
     def step(self, w: Window) -> int:
         """Account one window; returns the active thread count to use next."""
-        if w.jobs < MIN_JOBS:
+        if not w.saturated:
             return self.active
         if self._probe is not None:
             return self._judge_probe(w)
         self._baseline = (self._baseline + [w.gbps])[-MEASURE_WINDOWS:]
         self._since_change += 1
-        if w.backlogged and self._since_change >= self._hold \
+        if self._since_change >= self._hold \
                 and len(self._baseline) >= MEASURE_WINDOWS:
             target = self._clamp(self.active + self._direction * self._step)
             if target == self.active:  # at a bound: look the other way
@@ -166,7 +172,8 @@ class ThreadTuner:
             d = [a - b for a, b in zip(now, self._last, strict=True)]
             self._last = now
             before = self._climber.active
-            after = self._climber.step(Window(int(d[0]), int(d[1]), d[2], d[3], before))
+            after = self._climber.step(Window(int(d[0]), int(d[1]), d[2], d[3], before,
+                                              self._window_s))
             if after != before:
                 self._set_active(after)
                 logger.debug("auto load threads: %d -> %d", before, after)

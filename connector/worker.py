@@ -129,8 +129,11 @@ class MooncakeStoreWorker:
         if mode == "on" and self._regions.on_cuda:
             raise ValueError("kv_connector_extra_config.staging: 'on' needs the KV caches in "
                              "host memory, these are on CUDA; use 'auto' or 'off'")
+        # auto: only where it pays, i.e. host memory over tcp and several regions per block
+        # (a single-region block is already one contiguous slice: staging would add a copy).
         return mode == "on" or (mode == "auto" and not self._regions.on_cuda
-                                and self.config.store.protocol == "tcp")
+                                and self.config.store.protocol == "tcp"
+                                and len(self._regions.sizes) > 1)
 
     def _stagers(self) -> list[BlockStager]:
         return [*(self._load_stagers or ()), *([self._save_stager] if self._save_stager else [])]
