@@ -190,15 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] = rows
         result["long_requests"] = report.long_request_summary(rows)
 
-        if a.layout_section:
+        layout_ws = [w for w in workloads if w.name in ("16-block", f"long-{a.long_blocks}")]
+        if a.layout_section and layout_ws:
             log.info("single-region layout")
             g1 = Geometry(layers=1, head_size=geometry.block_bytes // 128,
                           num_blocks=geometry.num_blocks)
             caches1 = g1.make_caches()
             src1 = fill_store(tb, g1, a.source_blocks, prefix="bench-1r")
             ceil1 = raw_ceilings(tb, caches1, g1, src1, (64, 256, src1.count), 3, guard)
-            ws = [w for w in workloads if w.name in ("16-block", f"long-{a.long_blocks}")]
-            cells1, get1 = run_sweep(tb, g1, caches1, src1, [0.0], ws, [1, 2, 4], a.drivers,
+            cells1, get1 = run_sweep(tb, g1, caches1, src1, [0.0], layout_ws, [1, 2, 4], a.drivers,
                                      a.reps, a.duration, min_req, a.lookup_sample_ratio, guard)
             rows1 = report.build_rows(cells1, ceil1["gbps"], ceil1["multibuffer_gbps"],
                                       g1.block_bytes, get1)
