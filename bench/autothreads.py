@@ -16,7 +16,7 @@ import torch
 
 from bench.drivers import OursDriver
 from bench.loop import Guard, run_workload
-from bench.overhead import Comparison, _alternate
+from bench.overhead import Comparison, alternate
 from bench.testbed import Source, Testbed
 from bench.workloads import Geometry, Workload
 
@@ -38,7 +38,7 @@ def auto_vs_fixed(testbed: Testbed, geometry: Geometry, caches: dict[str, torch.
                          verify=False)
             settled = auto.worker.pool.active
             comp = Comparison(workload.name, max(threads), rtt, "auto")
-            _alternate(drivers, workload, rounds, duration_s, 10, testbed, source, caches,
+            alternate(drivers, workload, rounds, duration_s, 10, testbed, source, caches,
                        geometry.block_bytes, comp, guard)
             s = comp.summary()
             fixed = {k: v["gbps_median"] for k, v in s["configs"].items() if k != "auto"}

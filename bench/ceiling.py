@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from bench.loop import Guard
-from bench.testbed import Source, Testbed, open_client, wait_until_quiet
+from bench.testbed import Source, Testbed, open_client
 from bench.workloads import Geometry
 from connector.kv_regions import compute_regions
 
@@ -28,22 +28,18 @@ from connector.kv_regions import compute_regions
 def _sweep_reads(tb: Testbed, call: Any, n: int, batch: int, reps: int,
                  guard: Guard | None) -> list[float]:
     """Seconds per rep of reading all n keys in calls of `batch` keys; a rep during which
-    other processes loaded the machine is redone (as `Guard` does for the sweep)."""
-    out = []
-    for _ in range(reps):
-        for attempt in range((guard.retries if guard else 0) + 1):
-            meter = tb.cpu_meter()
-            meter.start()
-            t0 = time.perf_counter()
-            for i in range(0, n, batch):
-                call(i, min(n, i + batch))
-            dt = time.perf_counter() - t0
-            if guard is None or meter.stop()["others"] < guard.threshold \
-                    or attempt == guard.retries:
-                break
-            wait_until_quiet(tb.cpu_meter(), guard.threshold, guard.max_wait_s)
-        out.append(dt)
-    return out
+    other processes loaded the machine is redone by `guard`, as in the sweep."""
+    def once() -> tuple[float, float]:
+        meter = tb.cpu_meter()
+        meter.start()
+        t0 = time.perf_counter()
+        for i in range(0, n, batch):
+            call(i, min(n, i + batch))
+        dt = time.perf_counter() - t0
+        return dt, meter.stop()["others"]
+
+    guard = guard or Guard()  # no retries
+    return [guard.attempt(once, tb.cpu_meter)[0] for _ in range(reps)]
 
 
 def raw_ceilings(tb: Testbed, caches: dict[str, torch.Tensor], geometry: Geometry,

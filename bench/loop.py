@@ -14,12 +14,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from bench.drivers import Driver, PhaseTotals, check_loaded
 from bench.testbed import CpuMeter, Source, wait_until_quiet
 from bench.workloads import Workload
+
+T = TypeVar("T")
 
 POLL_S = 0.001  # one engine step's worth of polling granularity
 COLLECT_EVERY_S = 0.02  # how often the worker's stats are snapshotted (vLLM: every step)
@@ -137,16 +140,26 @@ class Guard:
     retries: int = 0
     max_wait_s: float = 30.0
 
-    def run(self, measure: Callable[[], RunResult], meter: Callable[[], CpuMeter]
-            ) -> RunResult:
-        best: RunResult | None = None
+    def attempt(self, measure: Callable[[], tuple[T, float]], meter: Callable[[], CpuMeter]
+                ) -> tuple[T, int]:
+        """The least disturbed of the attempts and how many were made; `measure` returns its
+        result and the cores the rest of the machine used meanwhile."""
+        best: tuple[T, float] | None = None
         for attempt in range(self.retries + 1):
-            r = measure()
-            r.attempts = attempt + 1
-            if best is None or r.cpu.get("others", 0.0) < best.cpu.get("others", 0.0):
-                best = r
-            if r.cpu.get("others", 0.0) < self.threshold or attempt == self.retries:
+            r, others = measure()
+            if best is None or others < best[1]:
+                best = (r, others)
+            if others < self.threshold or attempt == self.retries:
                 break
             wait_until_quiet(meter(), self.threshold, self.max_wait_s)
-        best.attempts = attempt + 1
+        return best[0], attempt + 1
+
+    def run(self, measure: Callable[[], RunResult], meter: Callable[[], CpuMeter]
+            ) -> RunResult:
+        def measured() -> tuple[RunResult, float]:
+            r = measure()
+            return r, r.cpu.get("others", 0.0)
+
+        best, attempts = self.attempt(measured, meter)
+        best.attempts = attempts
         return best

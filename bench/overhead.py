@@ -114,7 +114,7 @@ class Comparison:
         return out
 
 
-def _alternate(drivers: dict[str, OursDriver], workload: Workload, rounds: int,
+def alternate(drivers: dict[str, OursDriver], workload: Workload, rounds: int,
                duration_s: float, min_requests: int, testbed: Testbed, source: Source,
                caches: dict[str, torch.Tensor], block_bytes: int, comp: Comparison,
                guard: Guard) -> None:
@@ -146,6 +146,7 @@ class _Writers:
     def __init__(self, endpoint: str) -> None:
         self._endpoint = endpoint
         self.made: list[Any] = []
+        self._counters: list[Any] = []  # CountingExporter or OtlpHttpExporter: exported, failed
 
     def make(self, kind: str) -> Any:
         if kind == "sdk":
@@ -153,12 +154,12 @@ class _Writers:
 
             counter = CountingExporter(OTLPSpanExporter(endpoint=self._endpoint))
             writer = SdkWriter(counting_provider(counter), owned=True)
-            writer.counter = counter
         else:
             writer = OtlpWriter({"service.name": "mcpool-bench"},
                                 {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self._endpoint})
-            writer.counter = writer.exporter
+            counter = writer.exporter
         self.made.append(writer)
+        self._counters.append(counter)
         return writer
 
     def subscribers(self, cfg: str, threads: int) -> list[Any]:
@@ -171,8 +172,8 @@ class _Writers:
         return subs
 
     def counts(self) -> tuple[int, int]:
-        return (sum(w.counter.exported for w in self.made),
-                sum(w.counter.failed for w in self.made))
+        return (sum(c.exported for c in self._counters),
+                sum(c.failed for c in self._counters))
 
 
 def per_event_cost_us(writers: _Writers, threads: int) -> dict[str, float]:
@@ -227,7 +228,7 @@ def instrumentation_cost(testbed: Testbed, geometry: Geometry, caches: dict[str,
                  "configs_meaning": {k: v[2] for k, v in CONFIGS.items()}}
         comp = Comparison(workload.name, threads, rtt_ms, "off", also_baseline=("off_again",),
                           notes=notes)
-        _alternate(drivers, workload, rounds, duration_s, 20, testbed, source, caches,
+        alternate(drivers, workload, rounds, duration_s, 20, testbed, source, caches,
                    geometry.block_bytes, comp, guard)
         for d in drivers.values():
             _flush(d.worker.subscribers)
@@ -267,7 +268,7 @@ def lookup_probe_cost(testbed: Testbed, geometry: Geometry, caches: dict[str, to
         comp = Comparison(workload.name, threads, rtt_ms, f"ratio_{ratios[0]:g}", notes={
             "what": "master_lookup_sample_ratio: share of load jobs that issue an extra "
                     "batch_get_replica_desc RPC to time the master lookup"})
-        _alternate(drivers, workload, rounds, duration_s, 20, testbed, source, caches,
+        alternate(drivers, workload, rounds, duration_s, 20, testbed, source, caches,
                    geometry.block_bytes, comp, guard)
         return comp.summary()
     finally:

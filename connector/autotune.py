@@ -146,10 +146,6 @@ class ThreadTuner:
         self._thread = threading.Thread(target=self._run, name="mcpool-autotune", daemon=True)
         self._thread.start()
 
-    @property
-    def active(self) -> int:
-        return self._climber.active
-
     def on_load(self, ev: LoadEvent) -> None:
         s = self._slots[ev.thread]
         s[0] += 1

@@ -283,9 +283,6 @@ def load_config(
             f"kv_connector_extra_config.staging: {staging!r}; use 'auto' (staged copies for "
             "host-memory KV caches over tcp), 'on' or 'off' (multi-buffer transfers)"
         )
-    staging_bytes = (parse_size(extra["staging_buffer_size"],
-                                "kv_connector_extra_config.staging_buffer_size")
-                     if "staging_buffer_size" in extra else ConnectorConfig.staging_buffer_size)
     trace_ratio = (
         _number(extra["trace_sample_ratio"], "kv_connector_extra_config.trace_sample_ratio", 0, 1)
         if "trace_sample_ratio" in extra else None
@@ -297,7 +294,7 @@ def load_config(
         load_split_blocks=opt("load_split_blocks", _int_in_range, 0, 1 << 20,
                               "0 keeps each request in one job"),
         staging=staging,
-        staging_buffer_size=staging_bytes,
+        staging_buffer_size=opt("staging_buffer_size", parse_size),
         cache_prefix=opt("cache_prefix", _text),
         model_id=opt("model_id", _text),
         lookup_timeout_s=opt("lookup_timeout_s", _number, 0.001, 600),

@@ -95,8 +95,14 @@ def span(trace_id: bytes, span_id: bytes, parent_id: bytes, name: bytes, start_n
     return _field(2, out)  # as an entry of ScopeSpans.spans
 
 
+_NAMES: dict[str, bytes] = {}  # span name -> its encoded field (a handful of fixed names)
+
+
 def name_field(name: str) -> bytes:
-    return _field(5, name.encode())
+    enc = _NAMES.get(name)
+    if enc is None:
+        enc = _NAMES[name] = _field(5, name.encode())
+    return enc
 
 
 def request(resource: bytes, scope_name: str, spans: Sequence[bytes]) -> bytes:

@@ -7,12 +7,14 @@ slice costs client CPU: with 8 regions of 16 KiB a multi-buffer get moves about 
 contiguous get moves on the same cores (docs/benchmark.md). A staging buffer per thread makes
 each key one slice, and R `index_copy_` calls (memory speed, GIL released) scatter a whole batch
 into place. With RDMA, or KV caches on a GPU, the NIC scatters for free and staging would only
-add a copy, so `staging: auto` uses it for CPU caches over TCP only.
+add a copy, and a single-region block is already one slice, so `staging: auto` uses it for
+multi-region blocks in host memory over TCP only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -67,6 +69,33 @@ class BlockStager:
             self.buffer.index_select(0, torch.tensor(rows, dtype=torch.int64))
         for view, a, b in self._regions:
             view.index_copy_(0, idx, src[:, a:b])
+
+    def get(self, client: Any, keys: list[str], block_ids: list[int]) -> list[int]:
+        """Get into the buffer a buffer-full at a time and scatter the blocks that arrived
+        whole; per-key results as the store's multi-buffer get returns them."""
+        results: list[int] = []
+        for i in range(0, len(keys), self.capacity):
+            n = min(self.capacity, len(keys) - i)
+            res = client.batch_get_into(keys[i:i + n], self.addresses[:n], self.sizes[:n])
+            ids = block_ids[i:i + n]
+            ok = [j for j, r in enumerate(res) if r == self.block_bytes]
+            if len(ok) == len(res):
+                self.scatter(ids)
+            elif ok:  # never copy a short or failed read into the cache
+                self.scatter([ids[j] for j in ok], rows=ok)
+            results.extend(res)
+        return results
+
+    def put(self, client: Any, keys: list[str], block_ids: list[int]) -> list[int]:
+        """Gather and put a buffer-full at a time; per-key results of `batch_put_from`."""
+        results: list[int] = []
+        for i in range(0, len(keys), self.capacity):
+            ids = block_ids[i:i + self.capacity]
+            n = len(ids)
+            self.gather(ids)
+            results.extend(client.batch_put_from(keys[i:i + n], self.addresses[:n],
+                                                 self.sizes[:n]))
+        return results
 
     def gather(self, block_ids: Sequence[int]) -> None:
         """Copy KV blocks `block_ids` into staging rows 0..n-1."""

@@ -132,14 +132,7 @@ class OtlpWriter:
 
         self._get_span_context = lambda ctx: trace.get_current_span(ctx).get_span_context()
         self.exporter = otlp_http.OtlpHttpExporter(resource_attrs, environ)
-        self._names: dict[str, bytes] = {}
         self._batch: list[bytes] = []
-
-    def _name(self, name: str) -> bytes:
-        enc = self._names.get(name)
-        if enc is None:
-            enc = self._names[name] = otlp_http.name_field(name)
-        return enc
 
     def job(self, name: str, parent: Any, t0: int, t1: int, attrs: dict[str, Any], code: str,
             phases: list[tuple[str, int, int]]) -> None:
@@ -153,13 +146,13 @@ class OtlpWriter:
                 trace_id = pctx.trace_id.to_bytes(16, "big")
                 parent_id = pctx.span_id.to_bytes(8, "big")
         root_id = ids[16:24]
-        span = otlp_http.span
-        self._batch.append(span(trace_id, root_id, parent_id, self._name(name), t0, t1,
+        span, name_field = otlp_http.span, otlp_http.name_field
+        self._batch.append(span(trace_id, root_id, parent_id, name_field(name), t0, t1,
                                 otlp_http.attributes(attrs, 9),
                                 f"mooncake code {code}" if code else ""))
         for i, (child, a, b) in enumerate(phases):
             self._batch.append(span(trace_id, ids[24 + 8 * i:32 + 8 * i], root_id,
-                                    self._name(child), a, b))
+                                    name_field(child), a, b))
 
     def flush(self) -> None:
         if self._batch:

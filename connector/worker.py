@@ -268,7 +268,7 @@ class MooncakeStoreWorker:
                 client.batch_get_replica_desc(keys)
                 t_lookup_end = time.perf_counter()
                 sampled = True
-            results = (self._staged_get(client, stager, keys, t.block_ids) if stager
+            results = (stager.get(client, keys, t.block_ids) if stager
                        else client.batch_get_into_multi_buffers(keys, *addrs))
             want = self._regions.block_bytes
             if len(results) != len(keys):
@@ -293,36 +293,6 @@ class MooncakeStoreWorker:
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
             trace_parent=job.trace_parent))
-
-    @staticmethod
-    def _staged_get(client: Any, stager: BlockStager, keys: list[str],
-                    block_ids: list[int]) -> list[int]:
-        """Get into the staging buffer a buffer-full at a time and scatter the blocks that
-        arrived whole; per-key results as the multi-buffer get returns them."""
-        results: list[int] = []
-        for i in range(0, len(keys), stager.capacity):
-            n = min(stager.capacity, len(keys) - i)
-            res = client.batch_get_into(keys[i:i + n], stager.addresses[:n], stager.sizes[:n])
-            ids = block_ids[i:i + n]
-            ok = [j for j, r in enumerate(res) if r == stager.block_bytes]
-            if len(ok) == len(res):
-                stager.scatter(ids)
-            elif ok:  # never copy a short or failed read into the cache
-                stager.scatter([ids[j] for j in ok], rows=ok)
-            results.extend(res)
-        return results
-
-    @staticmethod
-    def _staged_put(client: Any, stager: BlockStager, keys: list[str],
-                    block_ids: list[int]) -> list[int]:
-        results: list[int] = []
-        for i in range(0, len(keys), stager.capacity):
-            ids = block_ids[i:i + stager.capacity]
-            n = len(ids)
-            stager.gather(ids)
-            results.extend(client.batch_put_from(keys[i:i + n], stager.addresses[:n],
-                                                 stager.sizes[:n]))
-        return results
 
     # ---- save thread -----------------------------------------------------------------------
     def _save_loop(self) -> None:
@@ -356,7 +326,7 @@ class MooncakeStoreWorker:
             if new:
                 new_keys, new_ids = [keys[i] for i in new], [t.block_ids[i] for i in new]
                 results = (
-                    self._staged_put(client, self._save_stager, new_keys, new_ids)
+                    self._save_stager.put(client, new_keys, new_ids)
                     if self._save_stager else
                     client.batch_put_from_multi_buffers(new_keys,
                                                         *self._regions.addresses(new_ids)))
