@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             rtt_hi = max(a.rtts)
             result["auto_threads"] = autothreads.auto_vs_fixed(
                 tb, geometry, caches, source, [(0.0, small), (rtt_hi, small)], a.threads,
-                3 if a.quick else 5, a.duration, 4.0 if a.quick else 10.0,
+                3 if a.quick else 9, a.duration, 4.0 if a.quick else 10.0,
                 a.lookup_sample_ratio, guard)
         if a.engine:
             log.info("engine-level TTFT")

@@ -9,16 +9,20 @@ for both.
 
 How: hill climbing on load throughput, measured only in saturated windows (jobs queued and
 the active threads busy nearly all the time: the pool's capacity at that count; windows with
-idle gaps are skipped), so only while the pool is the bottleneck. The tuner
-is a subscriber of the worker's load events: each receive thread adds its job's bytes, queue
-wait and service time to its own slot (no lock on the data path); a tuner thread reads the
-sums every `window_s`.
-A probe moves the active count, skips one window for the transition, measures
-`MEASURE_WINDOWS`, and keeps the move if throughput rose by `UP_GAIN` (more threads) or fell
-by less than `DOWN_LOSS` (fewer threads). A kept move is followed at once by a twice larger
-one in the same direction (so 2 -> 8 threads takes three probes); a failed one is reverted,
-the step drops back to one thread and the next probe waits twice as long (exponential
-back-off, so a well-placed setting is rarely disturbed).
+idle gaps are skipped), so only while the pool is the bottleneck. The tuner is a subscriber of
+the worker's load events: each receive thread adds its job's bytes, queue wait and service
+time to its own slot (no lock on the data path); a tuner thread reads the sums every
+`window_s`.
+
+It starts at one thread (vLLM's default). A probe moves the active count, skips one window
+for the transition (as after the start and after a revert), and compares the median of
+`MEASURE_WINDOWS` windows with the median of as many windows just before (medians: one
+disturbed window on a shared host must not decide).
+A thread has to pay: more threads are kept only for `UP_GAIN` more throughput; fewer are kept
+when throughput did not fall. Steps double while moves pay (1 -> 2 -> 4 -> 8 threads in three
+probes); a failed probe is reverted, and the wait before the next one doubles (exponential
+back-off up to `MAX_HOLD` windows, so a well-placed setting is rarely disturbed and a changed
+workload is still noticed).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import median
 
 from connector.events import LoadEvent, LookupEvent, SaveEvent
 
@@ -34,11 +39,11 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 WINDOW_S = 0.5
 MIN_JOBS = 6  # a window with fewer finished jobs says nothing
-SATURATED = 0.8  # busy share of the active threads' time for a window to be compared
+SATURATED = 0.9  # busy share of the active threads' time for a window to be compared
 BACKLOG = 0.25  # mean queue wait above this share of mean service time = jobs are waiting
-UP_GAIN = 1.05
-DOWN_LOSS = 0.95
-MEASURE_WINDOWS = 2
+UP_GAIN = 1.05  # more threads must raise throughput this much to stay
+DOWN_KEEP = 1.0  # fewer threads stay if throughput is at least this share of before
+MEASURE_WINDOWS = 3
 MAX_HOLD = 32  # windows between probes after repeated reverts
 
 
@@ -68,14 +73,27 @@ class Window:
 
 
 class HillClimber:
-    """The decision logic, fed one window at a time (pure: no threads, no clock)."""
+    """The decision logic, fed one window at a time (pure: no threads, no clock).
+
+    A probe ends in one of three ways:
+    - paid (throughput up by `UP_GAIN`, either direction): keep it and probe again at once,
+      twice as far the same way, unless that way is blocked by a bound;
+    - tie (fewer threads, throughput not lower, `DOWN_KEEP`): keep the cheaper setting, but
+      treat it as a plateau: step back to one thread and wait twice as long;
+    - lost: revert, look the other way next time, wait twice as long.
+    Only a move that paid and can go on resets the wait. Near a plateau's edge (7 and 8
+    threads within noise of each other) probes would otherwise keep flipping between the
+    two and each flip restart probing at full speed.
+    """
 
     def __init__(self, start: int, maximum: int) -> None:
         self.active = max(1, min(start, maximum))
         self.maximum = maximum
         self._baseline: list[float] = []  # throughput samples at the current setting
-        self._probe: tuple[int, int] | None = None  # (previous setting, windows seen)
+        self._probe: int | None = None  # the setting before the probe under way
         self._probe_samples: list[float] = []
+        self._skip = 1  # windows to ignore after a change (the start included): threads
+        # spinning up or draining, connections opening
         self._hold = 1  # windows to wait before the next probe
         self._since_change = 0
         self._direction = 1
@@ -84,6 +102,9 @@ class HillClimber:
     def step(self, w: Window) -> int:
         """Account one window; returns the active thread count to use next."""
         if not w.saturated:
+            return self.active
+        if self._skip:
+            self._skip -= 1
             return self.active
         if self._probe is not None:
             return self._judge_probe(w)
@@ -96,31 +117,30 @@ class HillClimber:
                 self._direction, self._step = -self._direction, 1
                 target = self._clamp(self.active + self._direction)
             if target != self.active:
-                self._probe, self._probe_samples = (self.active, 0), []
-                self.active = target
+                self._probe, self._probe_samples = self.active, []
+                self.active, self._skip = target, 1
         return self.active
 
     def _judge_probe(self, w: Window) -> int:
-        previous, seen = self._probe
-        seen += 1
-        self._probe = (previous, seen)
-        if seen == 1:  # transition window: threads spinning up or draining
-            return self.active
+        previous = self._probe
         self._probe_samples.append(w.gbps)
         if len(self._probe_samples) < MEASURE_WINDOWS:
             return self.active
-        before = sum(self._baseline) / len(self._baseline)
-        after = sum(self._probe_samples) / len(self._probe_samples)
-        more = self.active > previous
-        keep = after >= before * (UP_GAIN if more else DOWN_LOSS)
+        gain = median(self._probe_samples) / median(self._baseline)
+        fewer = self.active < previous
         self._probe = None
         self._since_change = 0
-        if keep:
+        if gain >= UP_GAIN:  # paid: go on, faster, unless a bound ends this direction
             self._baseline = self._probe_samples
-            self._hold = 1  # keep going, faster, in the direction that paid
             self._step *= 2
-        else:
-            self.active = previous
+            blocked = self._clamp(self.active + self._direction) == self.active
+            self._hold = min(MAX_HOLD, self._hold * 2) if blocked else 1
+        elif fewer and gain >= DOWN_KEEP:  # tie: the cheaper setting, then a plateau wait
+            self._baseline = self._probe_samples
+            self._step = 1
+            self._hold = min(MAX_HOLD, self._hold * 2)
+        else:  # lost
+            self.active, self._skip = previous, 1
             self._direction = -self._direction  # try the other side next time
             self._step = 1
             self._hold = min(MAX_HOLD, self._hold * 2)
@@ -134,7 +154,7 @@ class ThreadTuner:
     """Subscriber + tuner thread that applies `HillClimber` to a receive pool."""
 
     def __init__(self, threads: int, set_active: Callable[[int], None],
-                 start: int = 2, window_s: float = WINDOW_S) -> None:
+                 start: int = 1, window_s: float = WINDOW_S) -> None:
         self._climber = HillClimber(start, threads)
         self._set_active = set_active
         self._window_s = window_s

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.autotune import MEASURE_WINDOWS, HillClimber, Window
+from connector.autotune import MAX_HOLD, MEASURE_WINDOWS, HillClimber, Window
 from connector.config import ConfigError, load_config
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool
@@ -76,7 +76,8 @@ def test_sparse_windows_are_ignored():
 def test_probe_needs_measured_baseline():
     c = HillClimber(1, 8)
     w = window(0.2, 1)
-    assert [c.step(w) for _ in range(MEASURE_WINDOWS)][-1] == 2  # probes after the baseline
+    # the start is a transition (skipped), then the baseline, then the probe
+    assert [c.step(w) for _ in range(1 + MEASURE_WINDOWS)] == [1] * MEASURE_WINDOWS + [2]
 
 
 def test_pool_parks_threads_and_closes_with_parked_threads():
@@ -156,12 +157,41 @@ def test_noisy_windows_stay_near_the_peak(seed):
 
 
 def test_climbs_fast_when_every_thread_pays():
-    """Slow master, cheap data path: throughput grows with every thread. Growing steps take
-    2 -> 3 -> 5 -> 8 in three probes (baseline + 3 x (transition + measure) windows)."""
-    seen = settle({n: 0.045 * n for n in range(1, 9)}, start=2, windows=400)
+    """Slow master, cheap data path: throughput grows with every thread. From the default of
+    one thread, doubling steps take 1 -> 2 -> 4 -> 8 in three probes (start transition +
+    baseline + 3 x (transition + measure) windows)."""
+    seen = settle({n: 0.045 * n for n in range(1, 9)}, start=1, windows=400)
     first = seen.index(8)
-    assert first <= MEASURE_WINDOWS + 3 * (1 + MEASURE_WINDOWS)
+    assert first <= 1 + MEASURE_WINDOWS + 3 * (1 + MEASURE_WINDOWS)
+    assert seen[:first].count(2) and seen[:first].count(4) and 3 not in seen[:first]
     # Later probes below 8 fail and back off exponentially (at most every MAX_HOLD windows):
     # they cost about 1 % of throughput once settled.
     tail = seen[first:]
     assert sum(0.045 * a for a in tail) / len(tail) >= 0.98 * 0.045 * 8
+
+
+def test_a_plateau_edge_backs_off():
+    """7 and 8 threads equally fast, 6 slower: dropping to 7 is a tie (kept: same throughput,
+    one thread less), going back to 8 does not pay. Neither may restart fast probing, or
+    the tuner would keep flipping at the plateau's edge and spend its time on probes."""
+    curve = {n: 0.05 * min(n, 7) for n in range(1, 9)}
+    seen = settle(curve, start=8, windows=600)
+    tail = seen[100:]
+    probes = sum(a == 7 != b for a, b in zip(tail, tail[1:], strict=False))
+    assert probes <= len(tail) / MAX_HOLD + 1, probes
+    assert sum(a == 7 for a in tail) / len(tail) > 0.85
+
+
+def test_one_disturbed_window_does_not_decide():
+    """Medians: a probe window inflated by a disturbance elsewhere on the host (here 2x) does
+    not make an extra thread look like it paid."""
+    c = HillClimber(1, 8)
+    for _ in range(1 + MEASURE_WINDOWS):  # start transition + baseline
+        c.step(window(0.6, 1))
+    assert c.active == 2
+    c.step(window(0.5, 2))  # transition
+    probe = [0.45] * MEASURE_WINDOWS
+    probe[1] = 1.2
+    for g in probe:
+        c.step(window(g, 2))
+    assert c.active == 1
