@@ -20,9 +20,9 @@ for the transition (as after the start and after a revert), and compares the med
 disturbed window on a shared host must not decide).
 A thread has to pay: more threads are kept only for `UP_GAIN` more throughput; fewer are kept
 when throughput did not fall. Steps double while moves pay (1 -> 2 -> 4 -> 8 threads in three
-probes); a failed probe is reverted, and the wait before the next one doubles (exponential
-back-off up to `MAX_HOLD` windows, so a well-placed setting is rarely disturbed and a changed
-workload is still noticed).
+probes). A failed probe is reverted (after a single window if the loss is clear), and the wait
+before the next one doubles (exponential back-off up to `MAX_HOLD` windows, so a well-placed
+setting is rarely disturbed and a changed workload is still noticed).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ BACKLOG = 0.25  # mean queue wait above this share of mean service time = jobs a
 UP_GAIN = 1.05  # more threads must raise throughput this much to stay
 DOWN_KEEP = 1.0  # fewer threads stay if throughput is at least this share of before
 MEASURE_WINDOWS = 3
+CLEAR_LOSS = 0.85  # a probe window this far below the baseline reverts the probe at once
 MAX_HOLD = 32  # windows between probes after repeated reverts
 
 
@@ -124,9 +125,12 @@ class HillClimber:
     def _judge_probe(self, w: Window) -> int:
         previous = self._probe
         self._probe_samples.append(w.gbps)
-        if len(self._probe_samples) < MEASURE_WINDOWS:
-            return self.active
         gain = median(self._probe_samples) / median(self._baseline)
+        # A clear loss (below CLEAR_LOSS, so judged lost below) ends the probe at once:
+        # reverting is the safe side, so one window may decide it, and probing a worse
+        # setting costs two windows instead of four.
+        if len(self._probe_samples) < MEASURE_WINDOWS and gain >= CLEAR_LOSS:
+            return self.active
         fewer = self.active < previous
         self._probe = None
         self._since_change = 0

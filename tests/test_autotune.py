@@ -190,8 +190,24 @@ def test_one_disturbed_window_does_not_decide():
         c.step(window(0.6, 1))
     assert c.active == 2
     c.step(window(0.5, 2))  # transition
-    probe = [0.45] * MEASURE_WINDOWS
+    probe = [0.55] * MEASURE_WINDOWS  # 8 % less: not a clear loss, so measured to the end
     probe[1] = 1.2
     for g in probe:
         c.step(window(g, 2))
     assert c.active == 1
+
+
+def test_a_clear_loss_is_reverted_after_one_window():
+    """CPU-bound: a second thread loses 25 %. The probe ends after its first measured window
+    instead of spending three more at the worse setting; a small dip waits for the median."""
+    c = HillClimber(1, 8)
+    for _ in range(1 + MEASURE_WINDOWS):  # start transition + baseline
+        c.step(window(0.6, 1))
+    assert c.active == 2
+    c.step(window(0.5, 2))  # transition
+    assert c.step(window(0.45, 2)) == 1
+    c = HillClimber(1, 8)
+    for _ in range(1 + MEASURE_WINDOWS):
+        c.step(window(0.6, 1))
+    c.step(window(0.6, 2))
+    assert c.step(window(0.57, 2)) == 2  # within noise: measured to the end
