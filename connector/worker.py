@@ -8,7 +8,10 @@
   writes them (skipping keys the store already holds).
 - Block lifetime: blocks of a request with jobs in flight are not freed (the scheduler delays
   the free until every rank reports the request in finished_sending) and not reused after a
-  preemption (`handle_preemptions` waits for the request's saves).
+  preemption (`handle_preemptions` waits for the request's saves). A save still stuck after
+  PREEMPTION_WAIT_S is abandoned: the engine goes on, so the blocks may be rewritten under
+  it; the save then stores nothing, or removes what it stored (never a mix of two requests'
+  KV under one key).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from connector.store import (
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 PREEMPTION_WAIT_S = 60.0
+ABANDONED_CODE = "abandoned"  # failure code of a save given up on at a preemption
 
 
 def request_hash(req_id: str) -> str:
@@ -85,6 +89,7 @@ class MooncakeStoreWorker:
         self._done_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._awaiting_free: set[str] = set()
+        self._abandoned: set[str] = set()  # preempted requests whose saves outlived the wait
         self._lookup_every = (round(1 / config.master_lookup_sample_ratio)
                               if config.master_lookup_sample_ratio > 0 else 0)
         self._job_count = [0] * config.load_threads
@@ -191,10 +196,17 @@ class MooncakeStoreWorker:
             while any(self._pending[r] for r in meta.preempted):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    logger.error("jobs of preempted requests still running after %.0fs",
-                                 PREEMPTION_WAIT_S)
+                    stuck = {r for r in meta.preempted if self._pending[r]}
+                    self._abandoned |= stuck
+                    logger.error("saves of %d preempted request(s) still running after %.0fs; "
+                                 "their blocks are reused now, so those saves are abandoned "
+                                 "(what they store is removed)", len(stuck), PREEMPTION_WAIT_S)
                     return
                 self._lock.wait(left)
+
+    def _is_abandoned(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._abandoned
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -215,6 +227,7 @@ class MooncakeStoreWorker:
             self._pending[req_id] -= 1
             if self._pending[req_id] <= 0:
                 del self._pending[req_id]  # bounded: only requests with jobs in flight
+                self._abandoned.discard(req_id)
                 if load:  # the last part of the request's load
                     self._done_loads.add(req_id)
             self._lock.notify_all()
@@ -323,7 +336,9 @@ class MooncakeStoreWorker:
                 self._check_master(exists)
             new = [i for i, e in enumerate(exists) if e != 1]
             skipped = len(keys) - len(new)
-            if new:
+            if new and self._is_abandoned(t.req_id):
+                code, op = ABANDONED_CODE, "save"
+            elif new:
                 new_keys, new_ids = [keys[i] for i in new], [t.block_ids[i] for i in new]
                 results = (
                     self._save_stager.put(client, new_keys, new_ids)
@@ -337,6 +352,11 @@ class MooncakeStoreWorker:
                 if errs:
                     code, op = error_code_label(errs[0]), "save"
                     self._check_master(errs)
+                if stored and self._is_abandoned(t.req_id):
+                    # The blocks may have been rewritten while the put read them.
+                    client.batch_remove([k for k, r in zip(new_keys, results, strict=True)
+                                         if r == 0], force=True)
+                    stored, code, op = 0, ABANDONED_CODE, "save"
                 nbytes = stored * self._regions.block_bytes
         except StoreDown as e:
             code, op = e.code, "save"

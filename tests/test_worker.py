@@ -124,6 +124,58 @@ def test_preemption_waits_for_inflight_saves(make_worker):
     assert not w._pending  # the save finished before the blocks could be reused
 
 
+@pytest.fixture(scope="module")
+def own_cluster():
+    """A master and store node of this module's own, to freeze (SIGSTOP) without touching the
+    shared ones."""
+    from devkit.local_cluster import MooncakeMaster, StoreNode
+
+    master = MooncakeMaster().start()
+    node = StoreNode(master, segment_size="64MB").start()
+    yield master, node
+    node.stop()
+    master.stop()
+
+
+@pytest.mark.parametrize("frozen", ["node", "master"])
+def test_save_stuck_past_preemption_wait_is_abandoned(make_worker_on, own_cluster, monkeypatch,
+                                                      frozen):
+    """The engine cannot wait forever for a preempted request's save: past the wait it reuses
+    the blocks, so the save may read another request's KV. Stuck in its put (store node
+    frozen), the save removes what it stored once the put returns; stuck before it (master
+    frozen in the exists check), it never puts. Either way no key is left holding it."""
+    import os
+    import signal
+    import time
+
+    import connector.worker as worker_mod
+
+    master, node = own_cluster
+    monkeypatch.setattr(worker_mod, "PREEMPTION_WAIT_S", 0.5)
+    w = make_worker_on(master, prefix=f"abandon-{frozen}")
+    hs = hashes(f"abandon-{frozen}", 4)
+    pid = (node if frozen == "node" else master).proc.pid
+    w.recorder.snapshot()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        w.start_save(StepMetadata(saves=(BlockTransfer("p", (0, 1, 2, 3), hs),)))
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        w.wait_preempted(StepMetadata(preempted=("p",)))
+        assert time.monotonic() - t0 < 5 and w._pending["p"] == 1  # gave up; still stuck
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while w._pending:
+        assert time.monotonic() < deadline, "the save never returned"
+        time.sleep(0.05)
+    c = w.recorder.snapshot().data["c"]
+    assert c.get("failures|0|save|abandoned") == 1, c
+    assert c.get("save_keys|0", 0) == 0
+    assert all(e != 1 for e in w._connected().batch_is_exist(w._keys.keys(hs, 0)))
+    assert not w._abandoned  # forgotten once its last job ended
+
+
 def test_long_request_split_across_threads(make_worker):
     src = kv_caches(seed=3)
     writer = make_worker(caches=src, prefix="split")
