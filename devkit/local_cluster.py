@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -81,6 +82,14 @@ class MooncakeMaster:
 
     def stop(self) -> None:
         stop_process(self.proc)
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash: unlike `stop` (SIGTERM, which it may take a while to act
+        on while still answering), RPCs in flight lose their connection at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
         self.proc = None
 
     def store_config(self, **overrides) -> dict:

@@ -96,7 +96,7 @@ def test_master_killed_during_burst(fault_server, cluster):
     master, _, _ = cluster
     before = fault_server.metrics()
     try:
-        _, after_fault = fill_then_burst(fault_server, prompts(1), master.stop)
+        _, after_fault = fill_then_burst(fault_server, prompts(1), master.kill)
     finally:
         failures = metric_sum(fault_server.metrics(), P + "failures_total", code="-900")
         master.start()  # same ports: the engine reconnects without a restart
