@@ -29,12 +29,13 @@ import torch
 
 from bench.drivers import OursDriver
 from bench.loop import Guard, RunResult, run_workload
-from bench.otlp import CountingExporter, OtlpReceiver, counting_provider
+from bench.otlp import CountingExporter, counting_provider
 from bench.testbed import Source, Testbed
 from bench.workloads import Geometry, Workload
 from connector.events import LoadEvent
 from connector.stats import StatsRecorder
 from connector.tracing import DEFAULT_SAMPLE_RATIO, OtlpWriter, SdkWriter, SpanExporter
+from devkit.otlp_collector import RotelCollector
 
 PER_EVENT_SAMPLES = 6_000
 FLUSH_EVERY = 300  # jobs; keeps the SDK's BatchSpanProcessor queue (2048 spans) from dropping
@@ -214,7 +215,7 @@ def instrumentation_cost(testbed: Testbed, geometry: Geometry, caches: dict[str,
                          source: Source, workload: Workload, threads: int, rounds: int,
                          duration_s: float, lookup_ratio: float, guard: Guard,
                          rtt_ms: float = 0.0) -> dict[str, Any]:
-    receiver = OtlpReceiver().start()
+    receiver = RotelCollector(print_spans=False).start()
     testbed.pids["otlp_receiver"] = receiver.proc.pid
     writers = _Writers(receiver.traces_endpoint)
     master = testbed.set_rtt(rtt_ms)

@@ -1,5 +1,6 @@
 """A real OTLP collector (`rotel`, from PyPI) on free loopback ports, and a parser for the spans
-it prints with `--debug-log traces --debug-log-verbosity detailed`.
+it prints with `--debug-log traces --debug-log-verbosity detailed`. The tests read those spans;
+the benchmark turns printing off (`print_spans=False`), so the receiver costs it little CPU.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def parse_spans(text: str) -> list[Span]:
 
 @dataclass
 class RotelCollector:
+    print_spans: bool = True
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rotel-"))
@@ -98,12 +100,17 @@ class RotelCollector:
             "OTEL_BSP_SCHEDULE_DELAY": "200",
         }
 
+    @property
+    def kind(self) -> str:
+        return "rotel-agent (blackhole exporter)"
+
     def start(self) -> RotelCollector:
+        debug = ["--debug-log", "traces", "--debug-log-verbosity", "detailed"] \
+            if self.print_spans else []
         self.proc = spawn(
             [_binary(), "start", "--otlp-http-endpoint", f"{HOST}:{self.http_port}",
              "--otlp-grpc-endpoint", f"{HOST}:{self.grpc_port}", "--exporter", "blackhole",
-             "--debug-log", "traces", "--debug-log-verbosity", "detailed",
-             "--pid-file", os.path.join(self.workdir, "rotel.pid"),
+             *debug, "--pid-file", os.path.join(self.workdir, "rotel.pid"),
              "--log-file", os.path.join(self.workdir, "rotel.log")], self.output)
         wait_port(self.http_port, self.proc, "rotel")
         return self
