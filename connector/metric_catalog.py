@@ -99,7 +99,7 @@ FAMILIES: tuple[Family, ...] = (
            "What is the token hit rate?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code"),
-           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code.",
+           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, abandoned (save given up at a preemption), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
 )
 

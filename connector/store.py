@@ -35,6 +35,8 @@ ERROR_NAMES = {
 }
 # Label value for failures that are Python exceptions rather than store return codes.
 EXCEPTION_CODE = "exception"
+# Label value for a save given up on at a preemption (its blocks were reused under it).
+ABANDONED_CODE = "abandoned"
 # Codes that mean the master itself is gone: stop calling it until a probe says it is back.
 MASTER_DOWN_CODES = frozenset({-900, -901})
 PROBE_KEY = "__mcpool_probe__"

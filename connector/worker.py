@@ -34,6 +34,7 @@ from connector.recv_pool import RecvPool
 from connector.staging import BlockStager
 from connector.stats import StatsRecorder
 from connector.store import (
+    ABANDONED_CODE,
     EXCEPTION_CODE,
     MASTER_DOWN_CODES,
     StoreHandle,
@@ -42,7 +43,6 @@ from connector.store import (
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 PREEMPTION_WAIT_S = 60.0
-ABANDONED_CODE = "abandoned"  # failure code of a save given up on at a preemption
 
 
 def request_hash(req_id: str) -> str:
