@@ -1,8 +1,9 @@
 """What the store moves with no connector and no pool: sequential raw batch gets, everything
 prepared before the clock starts, master direct.
 
-- `batch_get_into`: each block into one contiguous 128 KiB slot of a registered buffer (the
-  issue's "raw get" ceiling);
+- `batch_get_into`: each block into one contiguous 128 KiB slot of a registered buffer: the
+  reference the sweep's `%ref` column divides by. It is one thread reading sequentially,
+  measured once before the sweep, so it is not a ceiling: pooled rows can and do exceed it;
 - `batch_get_into_multi_buffers`: each block scattered into the KV layout's regions (one per
   layer), as the connector must: the same layout with the pool and Python taken away.
 

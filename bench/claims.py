@@ -1,0 +1,371 @@
+"""The benchmark numbers quoted in README.md and docs/benchmark.md, rendered from the committed
+JSON files, so that the prose cannot drift from the runs.
+
+A quoted passage sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; `RENDERERS[NAME]`
+writes it from the JSON. `python -m bench.claims` rewrites every marked passage in place after a
+new run; `--check` exits 1 if any differs (tests/test_claims.py does the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.autothreads import format_auto
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+FILES = (REPO / "README.md", DOCS / "benchmark.md")
+BLOCK = re.compile(r"<!-- bench:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /bench:(?P=name) -->",
+                   re.S)
+MARK = {True: "met", False: "**missed**", None: "unresolved"}
+
+
+class Runs:
+    """The committed results, loaded on first use."""
+
+    def __init__(self, docs: Path = DOCS) -> None:
+        self.docs = docs
+
+    def _json(self, name: str) -> dict[str, Any]:
+        return json.loads((self.docs / name).read_text())
+
+    @cached_property
+    def bench(self) -> dict[str, Any]:
+        return self._json("benchmark.json")
+
+    @cached_property
+    def auto(self) -> dict[str, Any]:
+        return self._json("benchmark-auto.json")
+
+    @cached_property
+    def serve(self) -> dict[str, Any]:
+        return self._json("serve.json")
+
+    @cached_property
+    def demo(self) -> str:
+        return (self.docs / "demo.txt").read_text()
+
+    def row(self, **match: Any) -> dict[str, Any]:
+        for r in self.bench["rows"]:
+            if all(r.get(k) == v for k, v in match.items()):
+                return r
+        raise KeyError(f"no benchmark row {match}")
+
+    @cached_property
+    def effects(self) -> dict[str, Any]:
+        return report.intree_effects(self.bench["rows"])
+
+    @cached_property
+    def targets(self) -> dict[str, dict[str, Any]]:
+        """The targets as the current report code judges the committed measurements."""
+        b = self.bench
+        return {t["target"]: t for t in report.evaluate_targets(
+            b["rows"], b.get("overhead"), b.get("ttft"),
+            b.get("layout_single_region", {}).get("rows", []), b.get("auto_threads"))}
+
+    def target(self, prefix: str) -> dict[str, Any]:
+        return next(v for k, v in self.targets.items() if k.startswith(prefix))
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def _span(vals: list[float], fmt: Callable[[float], str] = _x) -> str:
+    lo, hi = min(vals), max(vals)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo).rstrip('x')}-{fmt(hi)}"
+
+
+def _pct(v: float) -> str:
+    return f"{v * 100:.0f} %"
+
+
+def _effect_span(r: Runs, name: str) -> str:
+    return _span([d[name]["median"] for d in r.effects["by_workload"].values()])
+
+
+def _p(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"= {p:.3f}"
+
+
+def _parity(r: Runs) -> str:
+    """Whether the pool alone is at parity with vLLM's, judged on the per-workload medians."""
+    meds = [d["pool"]["median"] for d in r.effects["by_workload"].values()]
+    if 0.95 <= min(meds) and max(meds) <= 1.05:
+        return "On throughput the pool alone is at parity with vLLM's (within 5 %)."
+    return "The pool alone is not at parity with vLLM's on every workload (5 % band)."
+
+
+def _speedups(r: Runs, rtt: float, threads: tuple[int, ...]) -> str:
+    return _span([s["speedup"] for s in r.bench["long_requests"]
+                  if s["driver"] == "ours" and s["master_rtt_ms"] == rtt
+                  and s["threads"] in threads])
+
+
+def _auto(rows: list[dict[str, Any]], rtt: float) -> dict[str, Any]:
+    return next(a for a in rows if a["master_rtt_ms"] == rtt)
+
+
+def _instr(r: Runs) -> dict[str, Any]:
+    o = r.bench["overhead"]
+    c = o["configs"]
+    lo, hi = report.loss_interval(o, "trace_1.0")
+    aa = report.round_ratios(o, "off_again")
+    return {"us": o["per_job_cpu_us"], "model": c["trace_1.0"]["cpu_model_loss_pct"],
+            "loss": c["trace_1.0"]["loss_pct"], "lo": lo, "hi": hi, "rounds": o["rounds"],
+            "aa": o["aa_loss_pct"], "sdk_loss": c["trace_1.0_sdk"]["loss_pct"],
+            "ratio": o["default_trace_ratio"],
+            "aa_spread": (min(aa), max(aa)),
+            "met": MARK[r.target("instrumentation")["met"]]}
+
+
+def readme_tracing(r: Runs) -> str:
+    us = r.bench["overhead"]["per_job_cpu_us"]
+    return (f"about {us['trace_1.0']:.0f} us of CPU per load job, against "
+            f"{us['trace_1.0_sdk']:.0f} us through the OpenTelemetry SDK")
+
+
+def readme_staging(r: Runs) -> str:
+    return f"{_effect_span(r, 'staging')} the throughput of multi-buffer transfers there"
+
+
+def readme_headlines(r: Runs) -> str:
+    b, i = r.bench, _instr(r)
+    r5 = r.row(workload="4-block", driver="ours", threads=4, master_rtt_ms=5.0)
+    it5 = r.row(workload="4-block", driver="in-tree", threads=4, master_rtt_ms=5.0)
+    r8 = r.row(workload="4-block", driver="ours", threads=8, master_rtt_ms=5.0)
+    r1 = r.row(workload="4-block", driver="ours", threads=4, master_rtt_ms=1.0)
+    ref = r.target("no added delay")["measured"]
+    eff = r.effects["by_cell"]
+    ttft = b["ttft"]["by_threads"]
+    a0, a5 = _auto(b["auto_threads"], 0.0), _auto(b["auto_threads"], 5.0)
+    return f"""
+  - 4-block jobs with a 5 ms master round trip: 4 threads load {_x(r5['ratio_to_1_thread'])}
+    faster than 1 (vLLM's in-tree pool: {_x(it5['ratio_to_1_thread'])}), 8 threads
+    {_x(r8['ratio_to_1_thread'])}; at 1 ms the gain is {_x(r1['ratio_to_1_thread'])} with
+    {r1['cpu_cores']['total']:.2f} of {b['meta']['host']['cpus']} cores busy.
+  - Against vLLM's in-tree pool on the same loads ({r.effects['cells']} cells), two effects:
+    - the pool itself, like for like (both multi-buffer): {_x(eff['pool']['median'])} median
+      (cells {eff['pool']['min']:.2f}-{_x(eff['pool']['max'])}). {_parity(r)}
+    - staged transfers (`staging: auto`, each block one contiguous buffer):
+      {_effect_span(r, 'staging')} median per workload. Staging is on only for host-memory KV
+      over tcp; on GPUs and RDMA it is off, so this gain does not carry over there.
+  - Best load path {_pct(ref['best'])} of a single-thread sequential reference get (measured
+    once; not a ceiling) with the 8-region KV layout.
+  - Store-hit time to first token is {_span([t['hit_over_recompute'] for t in ttft])} of
+    recompute ({b['ttft']['model']['layers']} layers, hidden {b['ttft']['model']['hidden']},
+    {b['ttft']['prompt_tokens']} tokens, one request at a time).
+  - Metrics cost {i['us']['metrics']:.1f} us of CPU per load job; tracing every job
+    {i['us']['trace_1.0']:.0f} us, {i['us']['trace_1.0_sdk'] / i['us']['trace_1.0']:.0f}x less
+    than through the OpenTelemetry SDK. Measured throughput loss of tracing every job:
+    {i['loss']:.1f} % (95 % interval {i['lo']:.1f} to {i['hi']:.1f} %), target 2 %: {i['met']}.
+  - `load_threads: auto` (opt-in): {a0['auto_over_best_fixed']:.2f}x and
+    {a5['auto_over_best_fixed']:.2f}x of the best fixed setting on a CPU-bound and a
+    latency-bound workload (best: {a0['best_fixed']} and {a5['best_fixed']}).
+"""
+
+
+def docs_meta(r: Runs) -> str:
+    m = r.bench["meta"]
+    return (f"The full run below (`docs/benchmark.json`, {m['mode']} mode, {m['date']}, "
+            f"{m['wall_s']:.0f} s, {m['host']['cpus']} CPUs, vLLM {m['versions']['vllm']}, "
+            f"Mooncake {m['versions']['mooncake']}) is the source of every number on this page "
+            f"outside the serving section")
+
+
+def docs_reading(r: Runs) -> str:
+    b, i = r.bench, _instr(r)
+    row = r.row
+    r5 = row(workload="4-block", driver="ours", threads=4, master_rtt_ms=5.0)
+    it5 = row(workload="4-block", driver="in-tree", threads=4, master_rtt_ms=5.0)
+    mb5 = row(workload="4-block", driver="ours-multibuf", threads=4, master_rtt_ms=5.0)
+    r8 = row(workload="4-block", driver="ours", threads=8, master_rtt_ms=5.0)
+    r1 = row(workload="4-block", driver="ours", threads=4, master_rtt_ms=1.0)
+    t_scale = r.target("4-block jobs, 5 ms")
+    refs = [t for k, t in r.targets.items() if k.startswith("no added delay")]
+    ref8, ref1 = refs[0]["measured"], refs[-1]["measured"]
+    eff = r.effects
+    cell = eff["by_cell"]
+    vs = r.target("at least as fast")["measured"]
+    pairs = sum(v["pairs"] for v in vs.values())
+    slower = sum(v["ours_slower"] for v in vs.values())
+    worst_p = max(v["sign_test_p"] for v in vs.values())
+    single = [x["ratio_to_intree"] for x in b["layout_single_region"]["rows"]
+              if x["driver"] == "ours"]
+    probe = b["lookup_probe"]["configs"]
+    ttft = b["ttft"]["by_threads"]
+    a0, a5 = _auto(b["auto_threads"], 0.0), _auto(b["auto_threads"], 5.0)
+    f0, f5 = _auto(r.auto["auto_threads"], 0.0), _auto(r.auto["auto_threads"], 5.0)
+    auto_t = r.target("load_threads auto")
+    return f"""
+- **Control-overhead-bound workload (4-block jobs, 5 ms master RTT): 4 threads give
+  {_x(r5['ratio_to_1_thread'])} one thread** through the connector's own path (target 3x:
+  {MARK[t_scale['met']]}). The in-tree pool gives {_x(it5['ratio_to_1_thread'])}, and the
+  connector with `staging: off` {_x(mb5['ratio_to_1_thread'])}. 8 threads reach
+  {_x(r8['ratio_to_1_thread'])}.
+- **Against the in-tree pool, two separate effects** ({eff['cells']} cells: workloads x RTTs x
+  thread counts, paired by interleaved rep):
+  - *The pool, like for like* (`ours-multibuf` vs in-tree, the same multi-buffer store call
+    through each pool): median over cells {_x(cell['pool']['median'])}, cells
+    {cell['pool']['min']:.2f}-{_x(cell['pool']['max'])}; per workload
+    {_effect_span(r, 'pool')}. {_parity(r)}
+  - *Staging* (ours vs `ours-multibuf`, the same pool): {_effect_span(r, 'staging')} median
+    per workload. A multi-buffer get moves each of a block's 8 regions as its own TCP slice,
+    which costs client CPU the cores cannot spare; one contiguous buffer per key and
+    `index_copy_` into the KV layout cost less. `staging: auto` stages only host-memory KV
+    over tcp: **on GPUs and RDMA staging is off, so expect the pool effect (parity) there,
+    not this gain.**
+  - Together (ours with defaults vs in-tree): {_effect_span(r, 'total')} median per workload,
+    ours slower in {slower} of {pairs} paired reps (sign test p {_p(worst_p)} on every
+    workload).
+  - With one region per block, `staging: auto` does not stage (the block is already
+    contiguous): both pools make the same store call, {_span(single)} per cell.
+- **Single-thread reference get** (`%ref` column): one thread doing sequential
+  `batch_get_into` calls into a contiguous buffer, measured once before the sweep. It is a
+  reference, not a ceiling: pooled rows exceed it. The best connector row reaches
+  {_pct(ref8['best'])} of it with the 8-region KV layout ({ref8['workload']}, T={ref8['threads']}:
+  {ref8['gbps']:.2f} GB/s) and {_pct(ref1['best'])} with one region per block. The store's own
+  multi-buffer get into the 8-region layout reaches
+  {b['ceiling']['multibuffer_gbps']:.2f} GB/s; the staged path is
+  {_x(ref8['vs_same_layout_raw'])} that.
+- **1 ms RTT:** 4T/1T {_x(r1['ratio_to_1_thread'])} at {r1['cpu_cores']['total']:.2f} of
+  {b['meta']['host']['cpus']} cores.
+- **Instrumentation (issue 3 acceptance 4):**
+  - Metrics cost {i['us']['metrics']:.1f} us of CPU per job.
+  - Tracing every job (sampling 1.0: 5 spans exported to a real OTLP collector) costs
+    {i['us']['trace_1.0']:.0f} us of CPU per job with the connector's OTLP writer; as a share
+    of the client CPU on this CPU-bound cell that is {i['model']:.1f} %.
+  - Measured throughput loss: {i['loss']:.1f} %, 95 % interval {i['lo']:.1f} to
+    {i['hi']:.1f} % over {i['rounds']} alternating rounds (A/A difference between two
+    identical workers: {abs(i['aa']):.1f} %). Target <= 2 %: {i['met']}. The interval is
+    many times wider than the target: this box does not resolve a 2 % effect.
+  - The same spans through the OpenTelemetry SDK cost {i['us']['trace_1.0_sdk']:.0f} us per
+    job ({i['sdk_loss']:.0f} % measured loss). That path is used only when vLLM has set up an
+    SDK provider in the worker process, or for grpc.
+  - Default sampling ({i['ratio']:g}): {i['us']['default']:.1f} us per job.
+- **Master-lookup probe** (`master_lookup_sample_ratio`, one extra replica-descriptor RPC per
+  sampled job), measured with one thread at 5 ms, where an extra round trip shows fully:
+  - ratio 0.05 costs {probe['ratio_0.05']['loss_pct']:.0f} %, the default 0.1 costs
+    {probe['ratio_0.1']['loss_pct']:.0f} %, and 1.0 costs {probe['ratio_1']['loss_pct']:.0f} %;
+  - at 4 threads or with real traffic, the round trip overlaps with other jobs;
+  - set `master_lookup_sample_ratio: 0` where the phase split is not needed.
+- **Long requests** (one {b['long_requests'][0]['blocks']}-block request at a time):
+  - Splitting into 128-block parts over the threads (`load_split_blocks: 128`) changes load
+    time by {_speedups(r, 5.0, (2, 4, 8))} at a 5 ms master RTT with 2-8 threads, and
+    {_speedups(r, 1.0, (2, 4, 8))} at 1 ms.
+  - At 0 ms ({_speedups(r, 0.0, (1, 2, 4, 8))}) the CPU is already saturated.
+  - It stays off by default (it changes nothing at the default 1 thread). Turn it on with 2 or
+    more threads and a remote master.
+- **`load_threads: auto`** (stretch goal): **{_x(a0['auto_over_best_fixed'])} of the best
+  fixed setting with no delay (best: {a0['best_fixed']}) and {_x(a5['auto_over_best_fixed'])}
+  at 5 ms (best: {a5['best_fixed']})**, target within 10 %: {MARK[auto_t['met']]}. The focused
+  run (`docs/benchmark-auto.json`) gave {_x(f0['auto_over_best_fixed'])} and
+  {_x(f5['auto_over_best_fixed'])}.
+- **Engine level ({b['ttft']['model']['layers']} layers x hidden {b['ttft']['model']['hidden']},
+  {b['ttft']['prompt_tokens']}-token prompts, one at a time):** time to first token with the
+  prefix in the store is {' and '.join(f"{_x(t['hit_over_recompute'])} of recompute with "
+                                       f"T={t['threads']}" for t in ttft)} (target
+  <= 0.5x: {MARK[r.target('store-hit TTFT')['met']]}). Outputs identical:
+  {all(t['outputs_match'] for t in ttft)}.
+- **Noise.** Two identical workers in the instrumentation comparison differ by
+  {abs(i['aa']):.1f} % (median); single rounds of the pair range from
+  {i['aa_spread'][0]:.2f}x to {i['aa_spread'][1]:.2f}x. Only large effects show directly; the
+  per-job CPU figures are the precise measurements.
+"""
+
+
+def docs_auto_focused(r: Runs) -> str:
+    return f"\n```\n{format_auto(r.auto['auto_threads'])}\n```\n"
+
+
+def full_output(b: dict[str, Any]) -> str:
+    """The whole report of a run, as the current report code prints it from the JSON."""
+    rows = b["rows"]
+    parts = [report.format_table(rows, b["ceiling"]), "",
+             report.format_long(b["long_requests"]), "",
+             report.format_intree_effects(report.intree_effects(rows))]
+    if "layout_single_region" in b:
+        one = b["layout_single_region"]
+        parts += ["", f"Layout check: the same blocks as ONE contiguous region per block "
+                      f"({one['rows'][0]['layout']}), master direct",
+                  report.format_table(one["rows"], one["ceiling"])]
+    if "overhead" in b:
+        parts += ["", report.format_comparison("Instrumentation cost", b["overhead"])]
+    if "lookup_probe" in b:
+        parts += ["", report.format_comparison("Master-lookup probe cost", b["lookup_probe"])]
+    if "auto_threads" in b:
+        parts += ["", format_auto(b["auto_threads"])]
+    targets = report.evaluate_targets(rows, b.get("overhead"), b["ttft"],
+                                      b.get("layout_single_region", {}).get("rows", []),
+                                      b.get("auto_threads"))
+    m = b["meta"]
+    parts += ["", report.format_ttft(b["ttft"]), "", report.format_targets(targets), "",
+              f"wall time {m['wall_s']} s, load average {m['host']['loadavg_start'][0]:.1f} -> "
+              f"{m['host']['loadavg_end'][0]:.1f}"]
+    return "\n".join(parts)
+
+
+def docs_full_output(r: Runs) -> str:
+    return f"\n```\n{full_output(r.bench)}\n```\n"
+
+
+def readme_demo(r: Runs) -> str:
+    return f"\n```\n{r.demo.strip()}\n```\n"
+
+
+RENDERERS: dict[str, Callable[[Runs], str]] = {
+    "readme-headlines": readme_headlines,
+    "readme-tracing": readme_tracing,
+    "readme-staging": readme_staging,
+    "readme-demo": readme_demo,
+    "docs-meta": docs_meta,
+    "docs-reading": docs_reading,
+    "docs-auto-focused": docs_auto_focused,
+    "docs-full-output": docs_full_output,
+}
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(name, body) of every marked passage in text."""
+    return [(m["name"], m["body"]) for m in BLOCK.finditer(text)]
+
+
+def render(text: str, runs: Runs) -> str:
+    """text with every marked passage re-rendered; an unknown name is an error."""
+    def sub(m: re.Match) -> str:
+        name = m["name"]
+        if name not in RENDERERS:
+            raise KeyError(f"<!-- bench:{name} -->: no renderer; known: {sorted(RENDERERS)}")
+        return f"<!-- bench:{name} -->{RENDERERS[name](runs)}<!-- /bench:{name} -->"
+    return BLOCK.sub(sub, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="only report passages that differ")
+    a = p.parse_args(argv)
+    runs, stale = Runs(), []
+    for path in FILES:
+        text = path.read_text()
+        new = render(text, runs)
+        if new != text:
+            stale.append(path.name)
+            if not a.check:
+                path.write_text(new)
+    verb = "differs from the JSON" if a.check else "re-rendered"
+    for name in stale:
+        print(f"{name}: {verb}")
+    return 1 if a.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
