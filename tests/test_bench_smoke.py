@@ -90,3 +90,28 @@ def test_tune_recommends_and_plots(tmp_path):
     data = json.loads(js.read_text())
     assert data["recommended"] in (1, 2)
     assert [r["threads"] for r in data["rows"]] == [1, 2]
+
+
+def test_serving_benchmark_quick(tmp_path):
+    """`bench.serve --quick`: real engines behind `vllm bench serve`; a fresh engine gets the
+    prefixes a filler engine stored, the no-connector engine none, its warm rerun hits locally."""
+    js, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    proc = _run(["-m", "bench.serve", "--quick", "--json", str(js), "--png", str(png)], 420)
+    data = json.loads(js.read_text())
+    prompts = data["meta"]["workload"]["prompts"]
+    summary = data["summary"]
+    assert set(summary) == {"no-connector", "ours-4t", "local-warm"}
+    for case, points in summary.items():
+        for s in points.values():
+            assert s["failed"] == 0 and 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"], case
+            assert s["request_throughput"] > 0 and s["itl_p50_ms"] > 0
+    runs = {c: next(iter(r["points"].values()))[0] for c, r in data["runs"].items()}
+    assert all(r["completed"] == prompts and len(r["ttfts_ms"]) == prompts for r in runs.values())
+    # Every full block but the last of each prompt comes from the store on the fresh engine.
+    blocks = (data["meta"]["workload"]["prefix_len"] + data["meta"]["workload"]["suffix_len"]) // 32
+    assert runs["ours-4t"]["store_hit_tokens"] >= prompts * (blocks - 1) * 32
+    assert runs["no-connector"]["store_hit_tokens"] == 0
+    assert runs["local-warm"]["local_hit_tokens"] >= prompts * (blocks - 1) * 32
+    assert data["fillers"]["ours"]["saved_keys"] >= prompts * blocks
+    assert len(data["targets"]) == 4 and "Targets:" in proc.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
