@@ -321,6 +321,68 @@ def readme_demo(r: Runs) -> str:
     return f"\n```\n{r.demo.strip()}\n```\n"
 
 
+def _serve_targets(r: Runs) -> str:
+    mark = {True: "met", False: "**missed**", None: "not measured"}
+    summary = r.serve["summary"]
+
+    def loads(t: dict[str, Any]) -> str:
+        """The machine's load behind each compared row: ratios between rows run at different
+        loads carry that difference."""
+        cases = [c for c in summary if c in t["target"].replace("best fixed", "ours-1t ours-4t")]
+        pts = {pt: ", ".join(f"{c} {summary[c][pt]['loadavg_1m']:.1f}" for c in cases
+                             if pt in summary[c]) for pt in t["measured"]}
+        return "; ".join(f"{pt}: {v}" for pt, v in pts.items())
+
+    return "\n".join(
+        f"- {t['target']}: "
+        + (", ".join(f"{pt} {v:.2f}x" for pt, v in t["measured"].items()) or "-")
+        + f": {mark[t['met']]}" + (f" (load average {loads(t)})" if t["measured"] else "")
+        for t in r.serve["targets"])
+
+
+def docs_serve(r: Runs) -> str:
+    s = r.serve
+    m = s["meta"]
+    w = m["workload"]
+    rows = ["| case | load point | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s | "
+            "prompt tokens from the store | from the local cache | rounds (TTFT p50 range) | "
+            "load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case, pts in s["summary"].items():
+        for pt, v in pts.items():
+            lo, hi = v["ttft_p50_ms_range"]
+            rows.append(f"| {case} | {pt} | {v['ttft_p50_ms']:.0f} | {v['ttft_p99_ms']:.0f} | "
+                        f"{v['itl_p50_ms']:.1f} | {v['itl_p99_ms']:.1f} | "
+                        f"{v['request_throughput']:.2f} | {v['store_hit_tokens']:.0f} | "
+                        f"{v['local_hit_tokens']:.0f} | {v['rounds']} ({lo:.0f}-{hi:.0f}) | "
+                        f"{v['loadavg_1m']:.1f} |")
+    loads = [v["loadavg_1m"] for pts in s["summary"].values() for v in pts.values()]
+    return f"""
+Run of {m['date']} ({m['mode']} mode, commit {m['commit']}, {m['wall_s']:.0f} s): a Llama
+with {m['model']['layers']} layers, hidden {m['model']['hidden']}; `prefix_repetition`,
+{w['prompts']} requests of {w['prefix_len']} + {w['suffix_len']} prompt tokens
+({w['distinct_prefixes']} distinct prefixes) and {w['output_len']} output tokens; load points
+{', '.join(f"`{p['name']}`" for p in m['load_points'])}; {m['rounds']} rounds per case and load
+point. Medians over rounds; the last column gives the spread of TTFT p50 over rounds. Load
+average (1 min) at the start of each run, median per row: {min(loads):.1f} to
+{max(loads):.1f}, on {m['host']['cpus']} CPUs shared with other jobs.
+
+{chr(10).join(rows)}
+
+{_serve_targets(r)}
+
+![TTFT distribution per case](serve-ttft.png)
+"""
+
+
+def readme_serve(r: Runs) -> str:
+    return f"""
+  - Serving benchmark (`python -m bench.serve`, vLLM's own `vllm bench serve` client, a fresh
+    engine reading prefixes another engine stored; [table](docs/benchmark.md#serving),
+    [TTFT plot](docs/serve-ttft.png)), targets:
+{chr(10).join('    ' + line for line in _serve_targets(r).splitlines())}
+"""
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
     "readme-headlines": readme_headlines,
     "readme-tracing": readme_tracing,
@@ -330,6 +392,8 @@ RENDERERS: dict[str, Callable[[Runs], str]] = {
     "docs-reading": docs_reading,
     "docs-auto-focused": docs_auto_focused,
     "docs-full-output": docs_full_output,
+    "docs-serve": docs_serve,
+    "readme-serve": readme_serve,
 }
 
 

@@ -10,7 +10,7 @@
   database and buffer registration), fed `ReqMeta`s like its `start_load_kv`. The receive
   path never touches `torch.cuda.Event` (only the save thread does), so it runs on CPU as is.
 
-The raw store ceilings are in `bench.ceiling`.
+The single-thread reference gets are in `bench.ceiling`.
 
 Each driver is built against one master address (direct or through the delay proxy) and
 loads into caches it is given, so several drivers can share one set of KV tensors.

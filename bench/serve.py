@@ -1,8 +1,8 @@
 """End-to-end serving benchmark: real `vllm serve` engines driven by `vllm bench serve`, the
 client vLLM ships, on a prefix-heavy workload, with and without the store.
 
-    python -m bench.serve --json docs/serve.json --png docs/serve-ttft.png   # full (~15 min)
-    python -m bench.serve --quick --json /tmp/serve.json                     # smoke, < 4 min
+    python -m bench.serve --json docs/serve.json --png docs/serve-ttft.png   # full run
+    python -m bench.serve --quick --json /tmp/serve.json                     # smoke run
 
 Workload: vLLM's `prefix_repetition` dataset (no download), one distinct prefix per request,
 the same seed on every engine, so every engine sees the same prompts: the documents a fleet
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.run import TCP_QUEUE_ENV, git_commit
+from bench.tune import save_figure
 from devkit.local_cluster import MooncakeMaster, StoreNode
 from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
@@ -89,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: no-connector, ours-4t and local-warm, one load point, one "
-                        "round, a smaller model (under 4 minutes)")
+                        "round, a smaller model (three engine starts: minutes)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--png", type=Path, help="plot the TTFT distribution per case here")
     p.add_argument("--cases", help=f"comma list out of {','.join(CASES)}")
@@ -320,10 +321,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"vllm bench serve, prefix_repetition {m['workload']['prefix_len']}+"
                  f"{m['workload']['suffix_len']} tokens, {m['model']['layers']}x"
                  f"{m['model']['hidden']} Llama, {m['host']['cpus']} CPUs (shared)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, 90)
 
 
 def main(argv: list[str] | None = None) -> int:

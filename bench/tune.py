@@ -125,9 +125,16 @@ def plot(rows: list[dict[str, Any]], rec: dict[str, Any] | None, title: str, pat
         ax.annotate(f"recommended: {rec['threads']}", (rec["threads"], rec["gbps"]),
                     textcoords="offset points", xytext=(8, -14))
     ax.set_title(title, fontsize=9)
+    save_figure(fig, path, 110)
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> None:
+    """Lay out, write (creating the folder) and release a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
