@@ -37,7 +37,9 @@ def ask(sched, req, computed: int = 0, timeout: float = 10.0):
 def make(master, **extra) -> MooncakeStoreScheduler:
     cfg = load_config(master.store_config(**extra), environ={})
     keys = KeyBuilder("sched", Layout("m", "bfloat16", BS, 2, 32, 2, 2))  # TP=2
-    return MooncakeStoreScheduler(cfg, keys, BS)
+    s = MooncakeStoreScheduler(cfg, keys, BS)
+    s.set_kv_signature("CPU_ATTN;[2,B,2,32,32]o[0,1,2,3,4]bfloat16x2")  # the workers' handshake
+    return s
 
 
 @pytest.fixture
