@@ -85,7 +85,7 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
     check_reachable(cfg, timeout)
     from mooncake.store import MooncakeDistributedStore  # heavy; worker/scheduler only
 
-    apply_transfer_timeout(cfg.transfer_timeout_s)
+    apply_transfer_timeout(cfg.transfer_timeout)
     store = MooncakeDistributedStore()
     rc = store.setup(
         cfg.local_hostname, cfg.metadata_server, global_segment_size, local_buffer_size,

@@ -108,7 +108,7 @@ def test_in_tree_replica_num_and_transfer_timeout_apply(tmp_path):
     path = tmp_path / "mc.json"
     path.write_text(json.dumps({**BASE, "replica_num": 2, "transfer_timeout": 7}))
     cfg = load_config({}, {"MOONCAKE_CONFIG_PATH": str(path)})
-    assert cfg.store.replica_num == 2 and cfg.store.transfer_timeout_s == 7.0
+    assert cfg.store.replica_num == 2 and cfg.store.transfer_timeout == 7.0
     assert "replica_num" in error_for({"replica_num": 0})
     assert "transfer_timeout" in error_for({"transfer_timeout": "soon"})
 
@@ -225,3 +225,31 @@ def test_vllm_refuses_to_start_when_master_unreachable(tiny_model):
     assert time.monotonic() - t0 < 120  # no 90 s setup() retry loop per process
     assert f"master_server_address: Mooncake master {late.address} is unreachable" in \
         server.log_tail(400)
+
+
+def test_readme_key_table_and_quoted_error_match_the_catalogue():
+    """The README table is generated from KEYS, and the error it quotes is the real one."""
+    import re
+    from pathlib import Path
+
+    from connector.config import sync_readme
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    assert sync_readme(str(readme), check=True), "run: python -m connector.config"
+    quoted = re.search(r"`(kv_connector_extra_config\.load_threads: must be[^`]*)`",
+                       readme.read_text()).group(1)
+    assert error_for({"load_threads": 0}) == quoted
+
+
+def test_dataclass_defaults_come_from_the_catalogue():
+    from dataclasses import fields
+
+    from connector.config import BY_NAME, KEYS, ConnectorConfig, StoreConfig
+
+    declared = {f.name: f.default for cls in (StoreConfig, ConnectorConfig)
+                for f in fields(cls) if f.name in BY_NAME}
+    assert set(declared) == {k.name for k in KEYS} - {"load_threads_max"}
+    for required in ("master_server_address", "metadata_server"):
+        assert BY_NAME[required].default is None
+        del declared[required]
+    assert all(BY_NAME[n].default == d for n, d in declared.items())
