@@ -555,3 +555,20 @@ def test_readme_documents_every_value():
     missing += [k for k in schema["definitions"]["extraConfig"]["properties"]
                 if f"`{k}`" not in readme]
     assert not missing, f"document these values in helm/README.md: {missing}"
+
+
+def test_readme_walkthrough_values_install(helm, tmp_path):
+    """The my-values.yaml of helm/README.md's walkthrough installs (dry run) and validates."""
+    readme = (ROOT / "helm" / "README.md").read_text()
+    block = readme.split("`my-values.yaml`, with the values", 1)[1].split("```yaml\n", 1)[1]
+    values = tmp_path / "my-values.yaml"
+    values.write_text(block.split("```", 1)[0])
+    r = helm.run("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", "llm",
+                 "-f", str(values))
+    assert "STATUS: pending-install" in r.stdout
+    manifest = r.stdout.split("MANIFEST:", 1)[1].split("NOTES:", 1)[0]
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(manifest)
+    v = kubernetes_validate(rendered)
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert "Network policies are on" not in r.stdout  # the walkthrough names apiFrom
