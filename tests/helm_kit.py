@@ -26,6 +26,7 @@ HELM = ROOT / "bin" / "helm"
 VENV_BIN = Path(sys.executable).parent
 KUBE_VERSION = "1.30.0"
 RELEASE = "pool"
+PREFIX = f"{RELEASE}-mooncake-pooled-connector"  # resource names: <PREFIX>-<component>
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from tests.helm_kit import (
     HA_VALUES,
+    PREFIX,
     RELEASE,
     Helm,
     by_kind,
@@ -20,7 +21,6 @@ from tests.helm_kit import (
     vllm_containers,
 )
 
-PREFIX = f"{RELEASE}-mooncake-pooled-connector"
 MASTER = f"{PREFIX}-master"
 ETCD = f"{PREFIX}-etcd"
 BUNDLED = f"{ETCD}.llm.svc:2379"

@@ -13,6 +13,7 @@ import pytest
 from tests.helm_kit import (
     CI_VALUES,
     HA_VALUES,
+    PREFIX,
     RELEASE,
     Helm,
     by_kind,
@@ -20,7 +21,6 @@ from tests.helm_kit import (
     env_of,
 )
 
-PREFIX = f"{RELEASE}-mooncake-pooled-connector"
 RELEASE_PEER = {"podSelector": {"matchLabels": {
     "app.kubernetes.io/name": "mooncake-pooled-connector",
     "app.kubernetes.io/instance": RELEASE}}}
