@@ -86,4 +86,4 @@ def test_no_stale_skips(findings):
 def test_capability_finding_is_only_the_rdma_deployment(findings):
     """IPC_LOCK is the expected RDMA capability: nothing else adds one."""
     assert {r for c, r in findings if c == "CKV_K8S_25"} == \
-        {"Deployment.default.pool-mooncake-pooled-connector-threads-16"}
+        {"Deployment.llm.pool-mooncake-pooled-connector-threads-16"}
