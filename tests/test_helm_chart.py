@@ -358,7 +358,9 @@ def test_secure_defaults(helm, values):
             assert sc["privileged"] is False, name
             assert sc["capabilities"]["drop"] == ["ALL"], name
             for e in c.get("env", []):
-                if any(w in e["name"] for w in ("TOKEN", "KEY", "SECRET", "PASSWORD")):
+                if e["name"] == "HF_TOKEN_PATH":  # where the mounted Secret file is
+                    assert e["value"] == "/etc/hf-token/token", (name, e)
+                elif any(w in e["name"] for w in ("TOKEN", "KEY", "SECRET", "PASSWORD")):
                     assert "value" not in e, (name, e)
                     assert "secretKeyRef" in e["valueFrom"], (name, e)
     for sa in by_kind(docs, "ServiceAccount").values():
@@ -389,14 +391,25 @@ def test_ipc_lock_only_with_rdma(helm):
 
 
 def test_secrets_only_by_reference(helm):
-    docs = helm.render("--set", "secrets.hfToken.name=hf", "--set", "secrets.apiKey.name=api")
-    env = env_of(vllm_containers(docs)["engine"])
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    docs = helm.render("--set", "secrets.hfToken.name=hf", "--set", "secrets.hfToken.key=tok",
+                       "--set", "secrets.apiKey.name=api")
+    c = vllm_containers(docs)["engine"]
+    env = env_of(c)
+    # the HF token is a file huggingface_hub reads (HF_TOKEN_PATH), not an env var
+    assert "HF_TOKEN" not in env and env["HF_TOKEN_PATH"]["value"] == "/etc/hf-token/token"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "hf-token")
+    assert mount == {"name": "hf-token", "mountPath": "/etc/hf-token", "readOnly": True}
+    spec = next(d for d in by_kind(docs, "Deployment").values()
+                if "engine" in d["metadata"]["name"])["spec"]["template"]["spec"]
+    vol = next(v for v in spec["volumes"] if v["name"] == "hf-token")["secret"]
+    assert vol["secretName"] == "hf" and vol["items"] == [{"key": "tok", "path": "token"}]
+    assert vol["defaultMode"] == 0o440  # readable through the pod's fsGroup, by nobody else
     assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api", "key": "api-key"}
     assert not by_kind(docs, "Secret")
-    # unset: no credential env at all
-    env = env_of(vllm_containers(helm.render())["engine"])
-    assert "HF_TOKEN" not in env and "VLLM_API_KEY" not in env
+    # unset: no credential env or mount at all
+    c = vllm_containers(helm.render())["engine"]
+    assert not {"HF_TOKEN", "HF_TOKEN_PATH", "VLLM_API_KEY"} & set(env_of(c))
+    assert "hf-token" not in {m["name"] for m in c["volumeMounts"]}
 
 
 def test_run_as_root_is_possible_when_image_needs_it(helm):

@@ -195,16 +195,13 @@ capabilities:
 {{- end }}
 {{- end }}
 
-{{/* Env vars holding credentials: only from Secrets. */}}
+{{/* Credentials, only from Secrets. The Hugging Face token is a file (HF_TOKEN_PATH, read by
+huggingface_hub), so it is not in the process environment; vLLM reads its API key only from
+VLLM_API_KEY (or the command line), so that one stays an env var from a secretKeyRef. */}}
 {{- define "mpc.secretEnv" -}}
-{{- with .Values.secrets.hfToken }}
-{{- if .name }}
-- name: HF_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ .name }}
-      key: {{ .key }}
-{{- end }}
+{{- if .Values.secrets.hfToken.name }}
+- name: HF_TOKEN_PATH
+  value: /etc/hf-token/token
 {{- end }}
 {{- with .Values.secrets.apiKey }}
 {{- if .name }}
