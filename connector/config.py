@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +28,11 @@ PROTOCOLS = ("tcp", "rdma")
 ON_MASTER_UNREACHABLE = ("fail", "degrade")
 STAGING_MODES = ("auto", "on", "off")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
+# A number and an optional unit: B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all powers of
+# 1024, as Mooncake reads them). "4IB" or "4KI" are errors, not 4 bytes.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|[KMGT](?:B|IB)?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+MAX_STAGING_BUFFER = 1 << 30  # allocated per receive thread
 
 # The Mooncake fields: accepted in extra_config and in the MOONCAKE_CONFIG_PATH file.
 MOONCAKE_KEYS = (
@@ -39,7 +43,17 @@ MOONCAKE_KEYS = (
     "local_hostname",
     "global_segment_size",
     "local_buffer_size",
+    "replica_num",
+    "transfer_timeout",
 )
+# In-tree fields with no meaning here: rejected, saying why and what to use instead.
+REJECTED_KEYS = {
+    "mode": "set global_segment_size: 0 for engines whose blocks live on standalone store "
+            "nodes (mooncake_client), or a size to let the engine hold blocks itself",
+    "enable_offload": "disk offload is not supported by this connector; remove it",
+    "tenant_id": "use cache_prefix, which namespaces this connector's keys per deployment or "
+                 "tenant",
+}
 # Connector-only keys, accepted in extra_config.
 CONNECTOR_KEYS = (
     "load_threads",
@@ -58,6 +72,8 @@ CONNECTOR_KEYS = (
     "trace_sample_ratio",
     "on_master_unreachable",
     "store_timeout_s",
+    "load_timeout_s",
+    "save_timeout_s",
 )
 EXTRA_KEYS = MOONCAKE_KEYS + CONNECTOR_KEYS
 
@@ -77,12 +93,20 @@ def parse_size(value: Any, field_name: str) -> int:
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m:
-            unit = (m.group(2) or "").upper().replace("I", "").replace("B", "") or ""
+            unit = (m.group(2) or "").upper()[:1].replace("B", "")
             return int(float(m.group(1)) * _SIZE_UNITS[unit])
     raise ConfigError(
         f"{field_name}: cannot parse size {value!r}; use bytes (536870912) or a unit "
         "suffix such as 512MB, 4GB, 1GiB"
     )
+
+
+def _bounded_size(value: Any, field_name: str, lo: int, hi: int) -> int:
+    size = parse_size(value, field_name)
+    if not lo <= size <= hi:
+        raise ConfigError(f"{field_name}: must be {lo} bytes..{hi // 2**20}MB, got {value!r} "
+                          f"({size} bytes)")
+    return size
 
 
 def _int_in_range(value: Any, field_name: str, lo: int, hi: int, fix: str) -> int:
@@ -130,6 +154,9 @@ class StoreConfig:
     # on store nodes; then stored blocks outlive engine restarts.
     global_segment_size: int = 4 * 2**30
     local_buffer_size: int = 512 * 2**20
+    replica_num: int = 1  # replicas per stored block (ReplicateConfig on every put)
+    # Mooncake's own call timeouts (None: Mooncake's defaults, 30 s); see store.py.
+    transfer_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +182,9 @@ class ConnectorConfig:
     trace_sample_ratio: float | None = None
     on_master_unreachable: str = "fail"
     store_timeout_s: float = 5.0
+    # Deadlines: past them a load's blocks are recomputed, a save is abandoned (recv_pool.py).
+    load_timeout_s: float = 5.0
+    save_timeout_s: float = 30.0
     source: dict[str, str] = field(default_factory=dict, compare=False)
 
 
@@ -176,7 +206,8 @@ def _load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{CONFIG_PATH_ENV}: cannot read {path!r}: {e.strerror}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{CONFIG_PATH_ENV}: {path!r} must hold a JSON object")
-    unknown = sorted(set(data) - set(MOONCAKE_KEYS) - {"transfer_timeout", "replica_num"})
+    _reject_in_tree(data, f"{CONFIG_PATH_ENV} ({path})")
+    unknown = sorted(set(data) - set(MOONCAKE_KEYS))
     if unknown:
         raise ConfigError(
             f"{CONFIG_PATH_ENV}: unknown field(s) {unknown} in {path!r}; "
@@ -185,12 +216,37 @@ def _load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+def _reject_in_tree(data: Mapping[str, Any], where: str) -> None:
+    for key in data:
+        if key in REJECTED_KEYS:
+            raise ConfigError(f"{where}: {key} is not used by this connector; "
+                              f"{REJECTED_KEYS[key]}")
+
+
+def _host_port(value: str, field_name: str) -> str:
+    m = re.match(r"^[^:\s]+:(\d{1,5})$", value)
+    if not m or not 1 <= int(m.group(1)) <= 65535:
+        raise ConfigError(f"{field_name}: expected host:port with a port 1..65535, "
+                          f"got {value!r}")
+    return value
+
+
+def _metadata_url(value: str, field_name: str) -> str:
+    url = urllib.parse.urlparse(value)
+    try:
+        url.port  # noqa: B018 - raises on a port outside 0..65535
+    except ValueError:
+        raise ConfigError(f"{field_name}: port out of range 1..65535 in {value!r}") from None
+    return value
+
+
 def load_config(
     extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
 ) -> ConnectorConfig:
     """Build the connector config from vLLM's extra_config and the environment."""
     environ = os.environ if environ is None else environ
     extra = dict(extra or {})
+    _reject_in_tree(extra, "kv_connector_extra_config")
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
     if unknown:
         raise ConfigError(
@@ -221,13 +277,12 @@ def load_config(
         raise ConfigError(
             f"{where('protocol')}: unknown protocol {merged['protocol']!r}; use one of {PROTOCOLS}"
         )
-    master = _text(merged["master_server_address"], where("master_server_address"))
-    if not re.match(r"^[^:\s]+:\d{1,5}$", master):
-        raise ConfigError(
-            f"{where('master_server_address')}: expected host:port, got {master!r}"
-        )
+    master = _host_port(_text(merged["master_server_address"], where("master_server_address")),
+                        where("master_server_address"))
+    timeout = merged.get("transfer_timeout")
     store = StoreConfig(
-        metadata_server=_text(merged["metadata_server"], where("metadata_server")),
+        metadata_server=_metadata_url(_text(merged["metadata_server"], where("metadata_server")),
+                                      where("metadata_server")),
         master_server_address=master,
         protocol=protocol,
         device_name=_text(merged.get("device_name", ""), where("device_name"), allow_empty=True),
@@ -243,6 +298,10 @@ def load_config(
             merged.get("local_buffer_size", StoreConfig.local_buffer_size),
             where("local_buffer_size"),
         ),
+        replica_num=_int_in_range(merged.get("replica_num", 1), where("replica_num"), 1, 16,
+                                  "replicas per stored block; 1 keeps one copy"),
+        transfer_timeout_s=None if timeout is None else _number(
+            timeout, where("transfer_timeout"), 0.1, 3600),
     )
     if store.protocol == "rdma" and not store.device_name:
         raise ConfigError(
@@ -294,7 +353,7 @@ def load_config(
         load_split_blocks=opt("load_split_blocks", _int_in_range, 0, 1 << 20,
                               "0 keeps each request in one job"),
         staging=staging,
-        staging_buffer_size=opt("staging_buffer_size", parse_size),
+        staging_buffer_size=opt("staging_buffer_size", _bounded_size, 4096, MAX_STAGING_BUFFER),
         cache_prefix=opt("cache_prefix", _text),
         model_id=opt("model_id", _text),
         lookup_timeout_s=opt("lookup_timeout_s", _number, 0.001, 600),
@@ -306,5 +365,7 @@ def load_config(
         trace_sample_ratio=trace_ratio,
         on_master_unreachable=on_unreachable,
         store_timeout_s=opt("store_timeout_s", _number, 0.1, 600),
+        load_timeout_s=opt("load_timeout_s", _number, 0.1, 3600),
+        save_timeout_s=opt("save_timeout_s", _number, 0.1, 3600),
         source=source,
     )

@@ -73,6 +73,66 @@ def test_size_units():
     assert parse_size(1024, "x") == 1024
 
 
+@pytest.mark.parametrize("value", ["4IB", "4KI", "2 BB", "1.5Q"])
+def test_size_units_are_never_misread(value):
+    with pytest.raises(ConfigError, match="cannot parse size"):
+        parse_size(value, "x")  # "4IB" was read as 4 bytes
+
+
+def test_staging_buffer_is_bounded():
+    assert "staging_buffer_size: must be" in error_for({"staging_buffer_size": "1T"})
+    assert load_config({**BASE, "staging_buffer_size": "64MB"}, {}).staging_buffer_size == \
+        64 * 2**20
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"master_server_address": "127.0.0.1:65536"}, "master_server_address"),
+    ({"master_server_address": "127.0.0.1:0"}, "master_server_address"),
+    ({"metadata_server": "http://127.0.0.1:99999/metadata"}, "metadata_server"),
+])
+def test_ports_out_of_range(extra, field):
+    assert f"{field}: " in error_for(extra) and "65535" in error_for(extra)
+
+
+@pytest.mark.parametrize("key", ["mode", "enable_offload", "tenant_id"])
+def test_in_tree_fields_without_meaning_are_rejected_with_why(key, tmp_path):
+    msg = error_for({key: "x"})
+    assert f"{key} is not used by this connector" in msg
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({**BASE, key: "x"}))
+    with pytest.raises(ConfigError, match=f"MOONCAKE_CONFIG_PATH.*{key} is not used"):
+        load_config({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+
+
+def test_in_tree_replica_num_and_transfer_timeout_apply(tmp_path):
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({**BASE, "replica_num": 2, "transfer_timeout": 7}))
+    cfg = load_config({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+    assert cfg.store.replica_num == 2 and cfg.store.transfer_timeout_s == 7.0
+    assert "replica_num" in error_for({"replica_num": 0})
+    assert "transfer_timeout" in error_for({"transfer_timeout": "soon"})
+
+
+def test_transfer_timeout_sets_mooncake_timeouts(monkeypatch):
+    from connector.store import apply_transfer_timeout
+
+    for var in ("MC_TCP_STATUS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT", "MC_RPC_TIMEOUT_MS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "9")  # an operator's own setting wins
+    apply_transfer_timeout(3.0)
+    import os
+
+    assert os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == "3"
+    assert os.environ["MC_RPC_TIMEOUT_MS"] == "3000" and os.environ["MC_TRANSFER_TIMEOUT"] == "9"
+
+
+def test_deadlines_validated():
+    cfg = load_config(BASE, {})
+    assert cfg.load_timeout_s == 5.0 and cfg.save_timeout_s == 30.0
+    assert "load_timeout_s" in error_for({"load_timeout_s": 0})
+    assert "save_timeout_s" in error_for({"save_timeout_s": "never"})
+
+
 def test_unknown_extra_config_key():
     msg = error_for({"load_thread": 4})
     assert "load_thread" in msg and "allowed keys" in msg
