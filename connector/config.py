@@ -435,6 +435,46 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+# ---- the Helm chart's schema for extraConfig ----------------------------------------------
+HELM_SCHEMA = "helm/mooncake-pooled-connector/values.schema.json"
+
+
+def json_schema(key: Key) -> dict[str, Any]:
+    """The JSON-schema fragment that admits what `key.parse` admits (sizes: any size text)."""
+    kinds = {"size": {"type": ["string", "integer"]}, "int": {"type": "integer"},
+             "float": {"type": "number"}, "bool": {"type": "boolean"}, "text": {"type": "string"}}
+    out: dict[str, Any] = {"description": key.doc}
+    if key.kind == "choice":
+        out |= {"type": "string", "enum": list(key.choices)}
+    else:
+        out |= kinds[key.kind]
+    if key.kind in ("int", "float") and key.lo is not None:
+        cast = int if key.kind == "int" else float
+        out |= {"minimum": cast(key.lo), "maximum": cast(key.hi)}
+    if key.kind == "text" and key.default != "":
+        out["minLength"] = 1
+    return out
+
+
+def helm_extra_config() -> dict[str, Any]:
+    """The chart's extraConfig properties: every connector key but load_threads (recvThreads)."""
+    return {k.name: json_schema(k) for k in KEYS
+            if not k.mooncake and k.name != "load_threads"}
+
+
+def sync_helm_schema(path: str = HELM_SCHEMA, check: bool = False) -> bool:
+    with open(path, encoding="utf-8") as f:
+        schema = json.load(f)
+    props = schema["definitions"]["extraConfig"]["properties"]
+    if props == helm_extra_config():
+        return True
+    if not check:
+        schema["definitions"]["extraConfig"]["properties"] = helm_extra_config()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(schema, indent=2) + "\n")
+    return False
+
+
 def sync_readme(path: str = "README.md", check: bool = False) -> bool:
     """Write the key table between the README's markers; with check, only compare."""
     start, end = "<!-- config-table:start -->", "<!-- config-table:end -->"
@@ -452,5 +492,6 @@ def sync_readme(path: str = "README.md", check: bool = False) -> bool:
 if __name__ == "__main__":
     import sys
 
-    ok = sync_readme(check="--check" in sys.argv)
-    sys.exit(0 if ok or "--check" not in sys.argv else 1)
+    check = "--check" in sys.argv
+    ok = sync_readme(check=check) & sync_helm_schema(check=check)
+    sys.exit(0 if ok or not check else 1)
