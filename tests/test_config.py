@@ -232,12 +232,19 @@ def test_readme_key_table_and_quoted_error_match_the_catalogue():
     import re
     from pathlib import Path
 
-    from connector.config import HELM_SCHEMA, sync_helm_schema, sync_readme
+    from connector.config import HELM_SCHEMA, helm_extra_config, sync_helm_schema, sync_readme
 
     readme = Path(__file__).resolve().parents[1] / "README.md"
     assert sync_readme(str(readme), check=True), "run: python -m connector.config"
     assert sync_helm_schema(str(readme.parent / HELM_SCHEMA), check=True), \
         "the chart's extraConfig schema drifted from KEYS: run python -m connector.config"
+    helm_row = next(line for line in (readme.parent / "helm" / "README.md").read_text()
+                    .splitlines() if line.startswith("| `extraConfig` |"))
+    assert set(re.findall(r"`([a-z_]+)`", helm_row.split("|")[3])) == \
+        set(helm_extra_config()) | {"kv_connector_extra_config", "auto", "on", "off", "fail",
+                                    "degrade"}
+    values = (readme.parent / "helm" / "mooncake-pooled-connector" / "values.yaml").read_text()
+    assert "(VLLM_MOONCAKE_LOAD_RECV_THREADS), 1..64,\n  # or auto" in values
     quoted = re.search(r"`(kv_connector_extra_config\.load_threads: must be[^`]*)`",
                        readme.read_text()).group(1)
     assert error_for({"load_threads": 0}) == quoted
