@@ -14,12 +14,12 @@ import pytest
 
 from bench.proxy import DelayProxy
 from connector.metadata import BlockTransfer, StepMetadata
+from connector.metric_catalog import PREFIX as P
 from devkit.local_cluster import MooncakeMaster, StoreNode, free_port
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
 from tests.worker_kit import hashes, run_step
 
-P = "vllm:mooncake_pool_"
 LOAD_TIMEOUT_S = 2.0
 
 
