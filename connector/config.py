@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.docsync import sync_block
+
 RECV_THREADS_ENV = "VLLM_MOONCAKE_LOAD_RECV_THREADS"
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 EXTRA = "kv_connector_extra_config"
@@ -477,16 +479,7 @@ def sync_helm_schema(path: str = HELM_SCHEMA, check: bool = False) -> bool:
 
 def sync_readme(path: str = "README.md", check: bool = False) -> bool:
     """Write the key table between the README's markers; with check, only compare."""
-    start, end = "<!-- config-table:start -->", "<!-- config-table:end -->"
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    head, _, rest = text.partition(start)
-    _, _, tail = rest.partition(end)
-    new = f"{head}{start}\n{markdown_table()}\n{end}{tail}"
-    if new != text and not check:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(new)
-    return new == text
+    return sync_block(path, "config-table", markdown_table(), check)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.docsync import sync_block
+
 PREFIX = "vllm:mooncake_pool_"
 
 # 50 us .. 20 s: master lookups on RDMA fabrics take ~100 us, TCP loads of long prompts seconds.
@@ -126,16 +128,7 @@ def markdown_table() -> str:
 
 def sync_readme(path: str = "README.md", check: bool = False) -> bool:
     """Write the family table between the README's markers; with check, only compare."""
-    start, end = "<!-- metric-table:start -->", "<!-- metric-table:end -->"
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    head, _, rest = text.partition(start)
-    _, _, tail = rest.partition(end)
-    new = f"{head}{start}\n{markdown_table()}\n{end}{tail}"
-    if new != text and not check:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(new)
-    return new == text
+    return sync_block(path, "metric-table", markdown_table(), check)
 
 
 if __name__ == "__main__":
