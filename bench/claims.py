@@ -133,10 +133,6 @@ def readme_tracing(r: Runs) -> str:
             f"{us['trace_1.0_sdk']:.0f} us through the OpenTelemetry SDK")
 
 
-def readme_staging(r: Runs) -> str:
-    return f"{_effect_span(r, 'staging')} the throughput of multi-buffer transfers there"
-
-
 def readme_headlines(r: Runs) -> str:
     b, i = r.bench, _instr(r)
     r5 = r.row(workload="4-block", driver="ours", threads=4, master_rtt_ms=5.0)
@@ -386,7 +382,6 @@ def readme_serve(r: Runs) -> str:
 RENDERERS: dict[str, Callable[[Runs], str]] = {
     "readme-headlines": readme_headlines,
     "readme-tracing": readme_tracing,
-    "readme-staging": readme_staging,
     "readme-demo": readme_demo,
     "docs-meta": docs_meta,
     "docs-reading": docs_reading,

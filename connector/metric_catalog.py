@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.docsync import sync_block
+
 PREFIX = "vllm:mooncake_pool_"
 
 # 50 us .. 20 s: master lookups on RDMA fabrics take ~100 us, TCP loads of long prompts seconds.
@@ -97,9 +99,18 @@ FAMILIES: tuple[Family, ...] = (
            "How much prefill does the store save?"),
     Family("lookup_miss_tokens", "counter", (), "Prompt tokens looked up but not found.",
            "What is the token hit rate?"),
+    # Deadlines and thread health.
+    Family("threads_stuck", "gauge", ("tp_rank", "op"), "Job threads (op load or save) retired while stuck in a store call past their deadline, still waiting for the call to return (bounded by the pool size).",
+           "Is a store node or the master frozen under in-flight calls?"),
+    Family("threads_replaced", "counter", ("tp_rank", "op"), "Job threads replaced by a fresh thread (and staging buffer) because their call outlived load_timeout_s or save_timeout_s.",
+           "How often do store calls hang?"),
+    Family("staging_buffers", "gauge", _R, "Registered staging buffers: one per live job thread, plus those held by stuck threads until their calls return.",
+           "Is staging memory bounded while calls hang?"),
+    Family("autotune_errors", "counter", _R, "Windows the load_threads: auto tuner could not judge (logged; tuning goes on).",
+           "Is the auto tuner healthy?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code"),
-           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, abandoned (save given up at a preemption), other.",
+           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (save given up at a preemption or deadline), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
 )
 
@@ -117,16 +128,7 @@ def markdown_table() -> str:
 
 def sync_readme(path: str = "README.md", check: bool = False) -> bool:
     """Write the family table between the README's markers; with check, only compare."""
-    start, end = "<!-- metric-table:start -->", "<!-- metric-table:end -->"
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    head, _, rest = text.partition(start)
-    _, _, tail = rest.partition(end)
-    new = f"{head}{start}\n{markdown_table()}\n{end}{tail}"
-    if new != text and not check:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(new)
-    return new == text
+    return sync_block(path, "metric-table", markdown_table(), check)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,11 @@ class StatsRecorder:
             if ev.code:
                 self._c[_key("failures", self._rank, "lookup", ev.code)] += 1
 
+    def count(self, family: str, *labels: object, n: int = 1) -> None:
+        """Add `n` to a counter family outside the job events (pool and tuner health)."""
+        with self._lock:
+            self._c[_key(family, *labels)] += n
+
     def snapshot(self) -> PooledStoreStats | None:
         """Hand over everything recorded since the last call (None when nothing happened)."""
         with self._lock:

@@ -8,11 +8,13 @@ message that names the field, instead of freezing the engine.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from connector.config import ConfigError, StoreConfig
@@ -37,6 +39,9 @@ ERROR_NAMES = {
 EXCEPTION_CODE = "exception"
 # Label value for a save given up on at a preemption (its blocks were reused under it).
 ABANDONED_CODE = "abandoned"
+# Label values for jobs the pool's watchdog reported: past their deadline, or queued at close.
+TIMEOUT_CODE = "timeout"
+SHUTDOWN_CODE = "shutdown"
 # Codes that mean the master itself is gone: stop calling it until a probe says it is back.
 MASTER_DOWN_CODES = frozenset({-900, -901})
 PROBE_KEY = "__mcpool_probe__"
@@ -80,6 +85,7 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
     check_reachable(cfg, timeout)
     from mooncake.store import MooncakeDistributedStore  # heavy; worker/scheduler only
 
+    apply_transfer_timeout(cfg.transfer_timeout)
     store = MooncakeDistributedStore()
     rc = store.setup(
         cfg.local_hostname, cfg.metadata_server, global_segment_size, local_buffer_size,
@@ -92,6 +98,31 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
             "protocol/device_name and that global_segment_size fits in memory"
         )
     return store
+
+
+# Mooncake's own deadlines, read from the environment when its transports start: a TCP
+# transfer (MC_TCP_STATUS_TIMEOUT_SEC), other transports (MC_TRANSFER_TIMEOUT) and master
+# RPCs (MC_RPC_TIMEOUT_MS). Each defaults to 30 s; measured here: a get from a frozen store
+# node returns -800 and one through a frozen master -901, 30 s after the call.
+TIMEOUT_ENV = {"MC_TCP_STATUS_TIMEOUT_SEC": 1, "MC_TRANSFER_TIMEOUT": 1, "MC_RPC_TIMEOUT_MS": 1000}
+
+
+def apply_transfer_timeout(seconds: float | None) -> None:
+    """Set Mooncake's call timeouts (unless the environment already sets them), so a call
+    stuck on a frozen peer returns: the only bound for zero-copy transfers."""
+    if seconds is None:
+        return
+    for var, per_second in TIMEOUT_ENV.items():
+        os.environ.setdefault(var, str(max(1, round(seconds * per_second))))
+
+
+def replicate_config(replica_num: int) -> Any:
+    """The ReplicateConfig passed to every put (replica_num copies of each block)."""
+    from mooncake.store import ReplicateConfig
+
+    cfg = ReplicateConfig()
+    cfg.replica_num = replica_num
+    return cfg
 
 
 def error_code_label(code: int) -> str:
@@ -122,6 +153,7 @@ class StoreHandle:
         self._lock = threading.Lock()
         self.client: Any = None
         self.down_code: str = ""  # the code that tripped the breaker; "" while healthy
+        self.replicate = replicate_config(cfg.replica_num)  # passed to every put
         try:
             self.client = open_store(*self._args)
         except StoreUnavailable as e:
@@ -154,9 +186,12 @@ class StoreHandle:
     def _probe(self) -> None:
         cfg, timeout = self._args[0], self._args[3]
         while not self._stop.wait(self._probe_s):
+            client = self.client
+            if client is None:  # closed
+                return
             try:
                 check_reachable(cfg, min(timeout, 1.0))
-                if min(self.client.batch_is_exist([PROBE_KEY])) < 0:
+                if min(client.batch_is_exist([PROBE_KEY])) < 0:
                     continue
             except StoreUnavailable:
                 continue
@@ -177,8 +212,21 @@ class StoreHandle:
             logger.info("connected to the Mooncake store; cache enabled")
             return
 
-    def close(self) -> None:
+    def close(self, wait_first: Sequence[Callable[[], object]] = ()) -> None:
+        """Close the client. With `wait_first` (calls that block until a thread still inside
+        a store call has returned), close it from a background thread once they return: so
+        shutdown never waits on a frozen peer, and the client is never freed under a call."""
         self._stop.set()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        client, self.client = self.client, None
+        if client is None:
+            return
+        if not wait_first:
+            client.close()
+            return
+
+        def close_later() -> None:
+            for wait in wait_first:
+                wait()
+            client.close()
+
+        threading.Thread(target=close_later, name="mcpool-close", daemon=True).start()

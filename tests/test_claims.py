@@ -20,8 +20,7 @@ MEASURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?(?:x|%|ms|us
 # Numbers outside passages that are settings or design constants, not measurements.
 SETTINGS = {"0 ms", "5 ms", "10 ms",  # master RTTs the runs were set to
             "15 %", "16 s"}  # auto-tuner constants (connector/autotune.py)
-README_PASSAGES = {"readme-demo", "readme-staging", "readme-tracing", "readme-headlines",
-                   "readme-serve"}
+README_PASSAGES = {"readme-demo", "readme-tracing", "readme-headlines", "readme-serve"}
 DOCS_PASSAGES = {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
                  "docs-serve"}
 
