@@ -31,6 +31,7 @@ from connector.keys import KeyBuilder
 from connector.kv_regions import BlockRegions, compute_regions
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool
+from connector.sampling import LookupProbe
 from connector.staging import BlockStager
 from connector.stats import StatsRecorder
 from connector.store import (
@@ -90,9 +91,7 @@ class MooncakeStoreWorker:
         self._load_errors: set[int] = set()
         self._awaiting_free: set[str] = set()
         self._abandoned: set[str] = set()  # preempted requests whose saves outlived the wait
-        self._lookup_every = (round(1 / config.master_lookup_sample_ratio)
-                              if config.master_lookup_sample_ratio > 0 else 0)
-        self._job_count = [0] * config.load_threads
+        self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads)
         self.pool: RecvPool[_Job] = RecvPool(config.load_threads, self._load)
         self._save_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._save_thread = threading.Thread(target=self._save_loop, name="mcpool-save",
@@ -276,8 +275,7 @@ class MooncakeStoreWorker:
             stager = self._load_stagers[thread] if self._load_stagers else None
             addrs = None if stager else self._regions.addresses(t.block_ids)
             t_prepared = t_lookup_end = time.perf_counter()
-            self._job_count[thread] += 1
-            if self._lookup_every and self._job_count[thread] % self._lookup_every == 0:
+            if self._lookup_probe.due(thread):
                 client.batch_get_replica_desc(keys)
                 t_lookup_end = time.perf_counter()
                 sampled = True

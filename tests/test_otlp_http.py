@@ -171,3 +171,19 @@ def test_varint_matches_protobuf():
     assert AnyValue.FromString(otlp_http._any_value(2.5)).double_value == 2.5
     assert AnyValue.FromString(otlp_http._any_value(True)).bool_value is True
     assert AnyValue.FromString(otlp_http._any_value("ü")).string_value == "ü"
+
+
+def test_exemplar_ids_are_the_exported_span_ids(sink):
+    """The ids handed to the metrics (exemplars) when a job is sampled are the ids the root
+    `mooncake.load` span is posted with."""
+    writer = OtlpWriter({"service.name": "unit"}, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": sink.url})
+    told: list[tuple[str, str]] = []
+    exp = SpanExporter(1.0, 1, "worker", writer=writer,
+                       on_traced=lambda ev, trace_id, span_id: told.append((trace_id, span_id)))
+    for _ in range(3):
+        exp.on_load(event())
+    exp.shutdown()
+    roots = {(s.trace_id.hex(), s.span_id.hex()) for r in sink.decoded()
+             for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans
+             if s.name == "mooncake.load"}
+    assert len(told) == 3 and set(told) == roots
