@@ -115,6 +115,11 @@ FAMILIES: tuple[Family, ...] = (
 
 BY_KEY = {f.key: f for f in FAMILIES}
 
+# Histograms whose samples of traced jobs carry OpenMetrics exemplars with these labels (the
+# ids of the job's `mooncake.load` span).
+EXEMPLAR_FAMILIES = ("load_job_seconds", "load_transfer_seconds")
+EXEMPLAR_LABELS = ("trace_id", "span_id")
+
 LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
 # (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, exception, abandoned, other).

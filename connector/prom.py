@@ -20,7 +20,14 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from connector.config import ConfigError, ConnectorConfig, load_config
-from connector.metric_catalog import BY_KEY, FAMILIES, LATENCY_BUCKETS, Family, known_series
+from connector.metric_catalog import (
+    BY_KEY,
+    EXEMPLAR_LABELS,
+    FAMILIES,
+    LATENCY_BUCKETS,
+    Family,
+    known_series,
+)
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -112,7 +119,8 @@ class PooledStorePromMetrics(KVConnectorPromMetrics):
             if child is not None:
                 for v, trace_id, span_id in exemplars:
                     if self._exemplars:
-                        child.observe(v, {"trace_id": trace_id, "span_id": span_id})
+                        child.observe(v, dict(zip(EXEMPLAR_LABELS, (trace_id, span_id),
+                                                  strict=True)))
                     else:
                         child.observe(v)
         for key, value in transfer_stats_data.get("g", {}).items():

@@ -28,10 +28,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from connector.events import LoadEvent, LookupEvent, SaveEvent
+from connector.metric_catalog import EXEMPLAR_FAMILIES
 
 SAMPLE_CAP = 1024  # histogram samples per key per step; counters stay exact past it
 EXEMPLAR_CAP = 4  # exemplars per key per step (Prometheus keeps the latest per bucket)
-EXEMPLAR_FAMILIES = ("load_job_seconds", "load_transfer_seconds")
 GAUGE_RESEND_S = 5.0  # unchanged gauges are re-sent this often so a fresh frontend sees them
 _EWMA = 0.2
 
