@@ -7,12 +7,15 @@ OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT) is set and O
 is not "true"; OTEL_TRACES_SAMPLER[_ARG] choose the jobs (`sampling.TraceSampler`). With tracing
 off, or the always_off sampler, the subscriber is not even registered.
 
-Two span writers, same spans:
-- `OtlpWriter` (default): encodes the spans straight to OTLP protobuf and posts them over
+Two span writers, same spans, both with the ids the connector's sampler chose (the metrics
+carry them as exemplars):
+- `OtlpWriter` (http/protobuf): encodes the spans straight to OTLP protobuf and posts them over
   OTLP/HTTP (`connector.otlp_http`), about 30 us of CPU per load job;
-- `SdkWriter`: through an OpenTelemetry SDK TracerProvider: vLLM's when it set one up in this
-  process (the spans then share its pipeline and resource), or our own for
-  OTEL_EXPORTER_OTLP_PROTOCOL=grpc. About 10x the CPU of the OTLP writer.
+- `SdkWriter` (grpc): through an OpenTelemetry SDK TracerProvider of our own. About 10x the CPU
+  of the OTLP writer.
+vLLM installs an SDK provider in every process when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set;
+the connector does not export through it: its sampler (read from the same OTEL_TRACES_SAMPLER)
+would sample the connector's jobs a second time, and it picks its own ids.
 
 Off the data path: a receive thread only samples the finished job's event (choosing its trace
 id, which the metrics then carry as an exemplar) and appends it to a bounded queue (a few
@@ -35,6 +38,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
 from connector import otlp_http
 from connector.events import LoadEvent, LookupEvent, SaveEvent
 from connector.sampling import (
@@ -56,26 +61,41 @@ def tracing_enabled(environ: Mapping[str, str] = os.environ) -> bool:
                 or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
-def _protocol(environ: Mapping[str, str]) -> str:
+def _protocol(environ: Mapping[str, str], default: str = "http/protobuf") -> str:
     return environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                       environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"))
+                       environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", default))
 
 
 Phases = list[tuple[str, float, float]]  # a job's child spans: (name, start, end)
 Ids = tuple[bytes, bytes, bytes]  # (trace id, root span id, parent span id or b"")
 
 
+class PresetIds(RandomIdGenerator):
+    """Gives the SDK the ids the connector chose for the next root span (only the trace thread
+    starts spans on our provider); child spans get random ids."""
+
+    def __init__(self) -> None:
+        self.trace_id = self.span_id = 0
+
+    def generate_trace_id(self) -> int:
+        return self.trace_id or super().generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        span_id, self.span_id = self.span_id, 0
+        return span_id or super().generate_span_id()
+
+
 class SdkWriter:
-    """Spans through an OpenTelemetry SDK TracerProvider (its processors apply, and for vLLM's
-    provider its sampler too). The SDK chooses the span ids, so its spans are not exemplars."""
+    """Spans through an OpenTelemetry SDK TracerProvider (its processors apply). With `ids`
+    (the provider's id generator) the spans get the connector's ids; without (a provider from
+    elsewhere, e.g. tests and the benchmark) the SDK picks them and they are no exemplars."""
 
-    honours_ids = False
-
-    def __init__(self, provider: Any, owned: bool) -> None:
+    def __init__(self, provider: Any, owned: bool, ids: PresetIds | None = None) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
-        self._provider, self._owned = provider, owned
+        self._provider, self._owned, self._ids = provider, owned, ids
+        self.honours_ids = ids is not None
         self._tracer = provider.get_tracer("connector")
         self._set_in_context = trace.set_span_in_context
         self._error = lambda code: Status(StatusCode.ERROR, f"mooncake code {code}")
@@ -92,12 +112,17 @@ class SdkWriter:
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         # The connector's sampler has decided already; the provider must not sample again.
-        provider = TracerProvider(resource=Resource.create(resource_attrs), sampler=ALWAYS_ON)
+        ids = PresetIds()
+        provider = TracerProvider(resource=Resource.create(resource_attrs), sampler=ALWAYS_ON,
+                                  id_generator=ids)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        return cls(provider, owned=True)
+        return cls(provider, owned=True, ids=ids)
 
     def job(self, name: str, ids: Ids, parent: Any, t0: int, t1: int, attrs: dict[str, Any],
             code: str, phases: list[tuple[str, int, int]]) -> None:
+        if self._ids is not None:
+            self._ids.trace_id = int.from_bytes(ids[0], "big")
+            self._ids.span_id = int.from_bytes(ids[1], "big")
         root = self._tracer.start_span(name, context=parent, start_time=t0, attributes=attrs)
         ctx = self._set_in_context(root)
         for child, a, b in phases:
@@ -153,15 +178,15 @@ class OtlpWriter:
 
 def make_writer(resource_attrs: dict[str, str],
                 environ: Mapping[str, str] = os.environ) -> SdkWriter | OtlpWriter:
-    """vLLM's SDK provider when it set one up in this process; else the lean OTLP/HTTP writer,
-    or an SDK provider of our own for the grpc protocol."""
+    """The lean OTLP/HTTP writer for http/protobuf, an SDK provider of our own for grpc. With no
+    protocol variable the OTLP default (http/protobuf) applies, unless vLLM set up its provider
+    in this process: that one exports over grpc by default, to the same endpoint."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
-    current = trace.get_tracer_provider()
-    if isinstance(current, TracerProvider):
-        return SdkWriter(current, owned=False)
-    if _protocol(environ) == "grpc":
+    vllm_default = "grpc" if isinstance(trace.get_tracer_provider(), TracerProvider) \
+        else "http/protobuf"
+    if _protocol(environ, vllm_default) == "grpc":
         return SdkWriter.own(resource_attrs, environ)
     return OtlpWriter(resource_attrs, environ)
 
