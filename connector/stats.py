@@ -64,7 +64,11 @@ class PooledStoreStats(KVConnectorStats):
         x = self.data.setdefault("x", {})
         for k, v in other.data.get("x", {}).items():
             cur = x.setdefault(k, [])
-            cur.extend(v[: max(0, EXEMPLAR_CAP - len(cur))])
+            room = max(0, EXEMPLAR_CAP - len(cur))
+            cur.extend(v[:room])
+            if len(v) > room:  # past the cap they are plain samples again
+                plain = h.setdefault(k, [])
+                plain.extend(e[0] for e in v[room:room + max(0, SAMPLE_CAP - len(plain))])
         return self
 
     def is_empty(self) -> bool:
@@ -89,6 +93,8 @@ class PooledStoreStats(KVConnectorStats):
         samples: dict[str, list[float]] = defaultdict(list)
         for k, v in self.data["h"].items():
             samples[k.split("|", 1)[0]].extend(v)
+        for k, v in self.data.get("x", {}).items():
+            samples[k.split("|", 1)[0]].extend(e[0] for e in v)
         for fam in ("load_queue_wait_seconds", "load_prepare_seconds",
                     "load_master_lookup_seconds", "load_transfer_seconds", "lookup_seconds"):
             vals = sorted(samples.get(fam, ()))

@@ -17,7 +17,7 @@ from connector import PooledMooncakeStoreConnector
 from connector.events import LoadEvent, LookupEvent, SaveEvent
 from connector.metric_catalog import KNOWN_FAILURES
 from connector.prom import PooledStorePromMetrics
-from connector.stats import SAMPLE_CAP, PooledStoreStats, StatsRecorder
+from connector.stats import EXEMPLAR_CAP, SAMPLE_CAP, PooledStoreStats, StatsRecorder
 
 
 def load_event(thread: int, rank: int, code: str = "", t: float = 100.0) -> LoadEvent:
@@ -167,9 +167,11 @@ def test_traced_jobs_become_openmetrics_exemplars_counted_once():
     job = "load_job_seconds|0|0"
     assert data["x"][job] == [[traced.t_end - traced.t_enqueue, "ab" * 16, "cd" * 8]]
     assert len(data["h"][job]) == 1 and len(data["x"]["load_transfer_seconds|0|0"]) == 1
-    merged = PooledStoreStats(data=pickle.loads(pickle.dumps(data))).aggregate(
-        PooledStoreStats(data=data))
-    assert len(merged.data["x"][job]) == 2
+    merged = PooledStoreStats(data=pickle.loads(pickle.dumps(data)))
+    for _ in range(EXEMPLAR_CAP + 1):  # past the cap exemplars are plain samples again
+        merged.aggregate(PooledStoreStats(data=pickle.loads(pickle.dumps(data))))
+    assert len(merged.data["x"][job]) == EXEMPLAR_CAP
+    assert len(merged.data["x"][job]) + len(merged.data["h"][job]) == 2 * (EXEMPLAR_CAP + 2)
     types, reg = fresh_types()
     prom = PooledStorePromMetrics(vllm_cfg(tp=1), types, ["model_name", "engine"],
                                   {0: ["m", "0"]})
