@@ -250,8 +250,20 @@ def test_lookups_and_tokens_carry_the_tenant(quiet_traffic, filled_store):
                       result="hit") > 0
 
 
-def test_always_off_exports_no_connector_span(quiet_traffic, burst, otlp_collector):
-    assert metric_sum(quiet_traffic, PREFIX + "load_jobs_total") > 0
+def test_always_off_exports_no_connector_span(quiet, quiet_traffic, burst, otlp_collector):
+    """Enough jobs that the old fixed 0.05 ratio would have traced one (1 - 0.95^60 > 95%,
+    saves not counted)."""
+    server, _ = quiet
+    rng = random.Random(11)
+    fresh = [[rng.randrange(3, 1000) for _ in range(4 * BLOCK_SIZE + 3)] for _ in range(12)]
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda p: server.complete(p, max_tokens=2), fresh))
+        for _ in range(10):
+            server.reset_prefix_cache()
+            list(pool.map(lambda p: server.complete(p, max_tokens=2), fresh[:6]))
+    time.sleep(2.0)
+    after = server.metrics()
+    assert metric_sum(after, PREFIX + "load_jobs_total") >= 60
     services = {s.resource.get("service.name") for s in otlp_collector.spans()}
     assert POOLED_SERVICE in services  # the always_on engine's spans are there, by name
     assert QUIET_SERVICE not in services
