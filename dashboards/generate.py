@@ -107,6 +107,18 @@ def tenant_hit_rate() -> P:
       min=0, max=1, width=24)
 
 
+def failures_panel() -> P:
+    """Failures by op and code, drawn only where non-zero (every known code is exported as 0
+    from startup: a legend of some thirty flat lines would bury the one that matters), and the
+    total, which reads 0 on a healthy deployment."""
+    return P("Store failures by op and code", "ops", (
+        (f"{rate(series('failures'), 'op, code')} > 0", "{{op}} {{code}}"),
+        (rate(series("failures")), "all ops and codes"),
+    ), "Failed store operations per second by operation (load, save, save_exists, lookup) "
+       "and Mooncake error code (-704 not found, -600 buffer, -800 transfer, -900 RPC), "
+       "drawn where non-zero.")
+
+
 def token_hit_ratio() -> str:
     """hit / (hit + miss); a family nothing has incremented yet counts as 0, so a store that
     never hits reads 0% instead of "No data"."""
@@ -200,10 +212,7 @@ ERRORS_AND_STORE = Dash(
     "store connector, and the Mooncake master's own metrics.",
     rows=(
         Row("Errors", (
-            P("Store failures by op and code", "ops", (
-                (rate(series("failures"), "op, code"), "{{op}} {{code}}"),
-            ), "Failed store operations per second by operation (load, save, save_exists, lookup) "
-               "and Mooncake error code (-704 not found, -600 buffer, -800 transfer, -900 RPC)."),
+            failures_panel(),
             P("Load job error ratio", "percentunit", (
                 (f"({rate(series('load_jobs', status='error'))} or vector(0)) / "
                  f"{rate(series('load_jobs'))}", "error share"),
