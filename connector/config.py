@@ -140,10 +140,12 @@ KEYS: tuple[Key, ...] = (
     Key("enable_load", "bool", True, "load prefixes from the store"),
     Key("save_decode_tokens", "bool", False, "also store blocks filled by generated tokens"),
     Key("master_lookup_sample_ratio", "float", 0.1,
-        "share of load jobs whose master lookup is timed separately (see Observability)",
+        "share of load jobs whose master lookup is timed separately, besides each thread's "
+        "first job and one every 5 s (see Observability)",
         lo=0, hi=1),
-    Key("trace_sample_ratio", "float", None, "share of jobs traced (overrides the OTel "
-        "sampler variables)", lo=0, hi=1, shown="`OTEL_TRACES_SAMPLER_ARG`, else 0.05"),
+    Key("trace_sample_ratio", "float", None, "share of jobs traced "
+        "(`parentbased_traceidratio`); overrides the OTel sampler variables", lo=0, hi=1,
+        shown="from `OTEL_TRACES_SAMPLER[_ARG]`, else 0.05"),
     Key("on_master_unreachable", "choice", "fail",
         "`fail`: refuse to start; `degrade`: serve without the cache and reconnect in the "
         "background", choices=("fail", "degrade"),

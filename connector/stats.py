@@ -4,7 +4,12 @@ Payload (msgpack-safe: str keys, builtin values, bounded size):
 
     {"c": {"load_bytes|0|2": 123456, "failures|0|load|-704": 3, ...},   # counters, summed
      "h": {"load_prepare_seconds|0|2": [0.0004, ...], ...},             # samples, capped
-     "g": {"load_queue_depth|0": 3, "load_inflight|0|2": 1, ...}}       # gauges, last value
+     "g": {"load_queue_depth|0": 3, "load_inflight|0|2": 1, ...},       # gauges, last value
+     "x": {"load_job_seconds|0|2": [[0.012, "<trace id>", "<span id>"]]}}  # exemplars, capped
+
+Exemplars are samples of traced jobs: a traced job's histogram samples move from "h" to "x"
+with the ids of its `mooncake.load` span, so the frontend observes each sample once, and the
+traced ones with their trace id as an OpenMetrics exemplar.
 
 Each key is a family key from `metric_catalog` followed by that family's label values, in
 order, joined by "|". Rank and thread identity live inside the key because vLLM's TP
@@ -23,8 +28,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from connector.events import LoadEvent, LookupEvent, SaveEvent
+from connector.metric_catalog import EXEMPLAR_FAMILIES
 
 SAMPLE_CAP = 1024  # histogram samples per key per step; counters stay exact past it
+EXEMPLAR_CAP = 4  # exemplars per key per step (Prometheus keeps the latest per bucket)
 GAUGE_RESEND_S = 5.0  # unchanged gauges are re-sent this often so a fresh frontend sees them
 _EWMA = 0.2
 
@@ -42,7 +49,7 @@ class PooledStoreStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"c": {}, "h": {}, "g": {}}
+        self.data = {"c": {}, "h": {}, "g": {}, "x": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other.is_empty():
@@ -54,11 +61,19 @@ class PooledStoreStats(KVConnectorStats):
             cur = h.setdefault(k, [])
             cur.extend(v[: max(0, SAMPLE_CAP - len(cur))])
         g.update(other.data["g"])
+        x = self.data.setdefault("x", {})
+        for k, v in other.data.get("x", {}).items():
+            cur = x.setdefault(k, [])
+            room = max(0, EXEMPLAR_CAP - len(cur))
+            cur.extend(v[:room])
+            if len(v) > room:  # past the cap they are plain samples again
+                plain = h.setdefault(k, [])
+                plain.extend(e[0] for e in v[room:room + max(0, SAMPLE_CAP - len(plain))])
         return self
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (d["c"] or d["h"] or d["g"])
+        return not (d["c"] or d["h"] or d["g"] or d.get("x"))
 
     def reduce(self) -> dict[str, int | float]:
         """Totals and latency percentiles for vLLM's periodic "KV Transfer metrics" log line."""
@@ -78,6 +93,8 @@ class PooledStoreStats(KVConnectorStats):
         samples: dict[str, list[float]] = defaultdict(list)
         for k, v in self.data["h"].items():
             samples[k.split("|", 1)[0]].extend(v)
+        for k, v in self.data.get("x", {}).items():
+            samples[k.split("|", 1)[0]].extend(e[0] for e in v)
         for fam in ("load_queue_wait_seconds", "load_prepare_seconds",
                     "load_master_lookup_seconds", "load_transfer_seconds", "lookup_seconds"):
             vals = sorted(samples.get(fam, ()))
@@ -101,6 +118,10 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._c: dict[str, float] = defaultdict(int)
         self._h: dict[str, list[float]] = defaultdict(list)
+        self._x: dict[str, list[list]] = defaultdict(list)
+        # Per thread: the last load event and the samples it added to the exemplar families.
+        self._last: list[tuple[LoadEvent | None, tuple[float, float | None]]] = \
+            [(None, (0.0, None))] * threads
         self._gauges = gauges
         self._last_gauges: dict[str, int] = {}
         self._gauge_sent_at = 0.0
@@ -138,8 +159,10 @@ class StatsRecorder:
             self._sample(k["load_prepare_seconds"], ev.t_prepared - ev.t_start)
             if ev.lookup_sampled:
                 self._sample(k["load_master_lookup_seconds"], lookup_s)
-            self._sample(k["load_job_seconds"], ev.t_end - ev.t_enqueue)
+            job_s = ev.t_end - ev.t_enqueue
+            self._sample(k["load_job_seconds"], job_s)
             self._c[k["load_busy_seconds"]] += ev.t_end - ev.t_start
+            self._last[ev.thread] = (ev, (job_s, transfer_s if ev.ok else None))
             if ev.ok:
                 self._sample(k["load_transfer_seconds"], transfer_s)
                 self._c[k["ok"]] += 1
@@ -149,6 +172,24 @@ class StatsRecorder:
                 self._c[self._rkeys["load_error_blocks"]] += ev.failed_blocks
             self._c[k["load_bytes"]] += ev.nbytes
             self._c[k["load_keys"]] += ev.keys
+
+    def traced_load(self, ev: LoadEvent, trace_id: str, span_id: str) -> None:
+        """`ev` was traced (called by the span exporter on the job's thread, after `on_load`):
+        its samples become exemplars. Skipped when a snapshot already took them."""
+        last, values = self._last[ev.thread]
+        if last is not ev:
+            return
+        k = self._tkeys[ev.thread]
+        with self._lock:
+            for fam, v in zip(EXEMPLAR_FAMILIES, values, strict=True):
+                key, samples = k[fam], self._h.get(k[fam])
+                if v is None or not samples or len(self._x[key]) >= EXEMPLAR_CAP:
+                    continue
+                for i in range(len(samples) - 1, -1, -1):  # it was appended last, or nearly
+                    if samples[i] == v:
+                        del samples[i]
+                        self._x[key].append([v, trace_id, span_id])
+                        break
 
     def on_save(self, ev: SaveEvent) -> None:
         k = self._rkeys
@@ -180,14 +221,14 @@ class StatsRecorder:
     def snapshot(self) -> PooledStoreStats | None:
         """Hand over everything recorded since the last call (None when nothing happened)."""
         with self._lock:
-            c, h = self._c, self._h
-            self._c, self._h = defaultdict(int), defaultdict(list)
+            c, h, x = self._c, self._h, self._x
+            self._c, self._h, self._x = defaultdict(int), defaultdict(list), defaultdict(list)
         g: dict[str, Any] = {}
         if self._gauges is not None:
             now = time.monotonic()
             cur = self._gauges()
             if cur != self._last_gauges or now - self._gauge_sent_at > GAUGE_RESEND_S:
                 g, self._last_gauges, self._gauge_sent_at = cur, cur, now
-        if not (c or h or g):
+        if not (c or h or g or x):
             return None
-        return PooledStoreStats(data={"c": dict(c), "h": dict(h), "g": g})
+        return PooledStoreStats(data={"c": dict(c), "h": dict(h), "g": g, "x": dict(x)})

@@ -35,6 +35,7 @@ from connector.kv_regions import BlockRegions, compute_regions
 from connector.ledger import RequestLedger
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool, Ticket
+from connector.sampling import LookupProbe
 from connector.staging import BlockStager
 from connector.stats import StatsRecorder
 from connector.store import (
@@ -90,9 +91,7 @@ class MooncakeStoreWorker:
             config.store, config.store.global_segment_size, config.store.local_buffer_size,
             config.on_master_unreachable, config.store_timeout_s)
         self.ledger = RequestLedger()
-        self._lookup_every = (round(1 / config.master_lookup_sample_ratio)
-                              if config.master_lookup_sample_ratio > 0 else 0)
-        self._job_count = [0] * config.load_threads
+        self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads)
         self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges)
         self.pool: RecvPool[_Job] = RecvPool(
             config.load_threads, self._load, active=1 if config.load_threads_auto else None,
@@ -281,8 +280,7 @@ class MooncakeStoreWorker:
             stager = self._stager(client)
             addrs = None if stager else self._regions.addresses(t.block_ids)
             t_prepared = t_lookup_end = time.perf_counter()
-            self._job_count[thread] += 1
-            if self._lookup_every and self._job_count[thread] % self._lookup_every == 0:
+            if self._lookup_probe.due(thread):
                 client.batch_get_replica_desc(keys)
                 t_lookup_end = time.perf_counter()
                 sampled = True

@@ -46,6 +46,7 @@ class P:
     min: float | None = None
     max: float | None = None
     table_value: str | None = "value"  # tables: header of the Value column (None: hide it)
+    exemplars: bool = False  # show the series' exemplars (trace ids of traced jobs)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,36 @@ def per_thread_and_total(key: str, **extra: str) -> tuple[tuple[str, str], ...]:
 
 def hit_ratio(hits: str, queries: str) -> str:
     return f"{rate(hits)} / {rate(queries)}"
+
+
+EXEMPLAR_HINT = ("Dots are exemplars: traced jobs; click one to open its mooncake.load trace "
+                 "(the Prometheus data source links trace_id to the traces data source, see "
+                 "dashboards/grafana-datasources.yaml).")
+
+
+def tenant_hit_rate() -> P:
+    """Token hit rate per deployment (vllm_deployment, from the Helm chart's monitors; model
+    without it) and tenant (cache_prefix): the store's value to each tenant."""
+    by = "vllm_deployment, model_name, cache_prefix"
+    hit = rate(series("lookup_hit_tokens"), by)
+    miss = rate(series("lookup_miss_tokens"), by)
+    return P("Token hit rate per deployment and tenant", "percentunit", (
+        (f"{hit} / ({hit} + {miss})", "{{vllm_deployment}} {{model_name}} / {{cache_prefix}}"),
+    ), "Prompt tokens found in the store / tokens looked up, per deployment and tenant "
+       "(cache_prefix). A drop while traffic holds: alert MooncakePoolStoreHitRateCollapsed.",
+      min=0, max=1, width=24)
+
+
+def failures_panel() -> P:
+    """Failures by op and code, drawn only where non-zero (every known code is exported as 0
+    from startup: a legend of some thirty flat lines would bury the one that matters), and the
+    total, which reads 0 on a healthy deployment."""
+    return P("Store failures by op and code", "ops", (
+        (f"{rate(series('failures'), 'op, code')} > 0", "{{op}} {{code}}"),
+        (rate(series("failures")), "all ops and codes"),
+    ), "Failed store operations per second by operation (load, save, save_exists, lookup) "
+       "and Mooncake error code (-704 not found, -600 buffer, -800 transfer, -900 RPC), "
+       "drawn where non-zero.")
 
 
 def token_hit_ratio() -> str:
@@ -152,9 +183,11 @@ LOAD_PIPELINE = Dash(
             P("Master lookup", "s", p50_p99("load_master_lookup_seconds"),
               "Replica lookup on the Mooncake master for a job's keys (sampled jobs)."),
             P("Transfer", "s", p50_p99("load_transfer_seconds"),
-              "Data phase: the batch get minus the master lookup."),
+              "Data phase: the batch get minus the master lookup. " + EXEMPLAR_HINT,
+              exemplars=True),
             P("Whole load job", "s", p50_p99("load_job_seconds"),
-              "From enqueue to completion: what a request waits for its KV from the store."),
+              "From enqueue to completion: what a request waits for its KV from the store. "
+              + EXEMPLAR_HINT, exemplars=True),
             P("Time to first token (vLLM)", "s",
               vllm_p50_p99("vllm:time_to_first_token_seconds_bucket", "TTFT"),
               "vLLM's TTFT, for context: store loads should lower it."),
@@ -179,10 +212,7 @@ ERRORS_AND_STORE = Dash(
     "store connector, and the Mooncake master's own metrics.",
     rows=(
         Row("Errors", (
-            P("Store failures by op and code", "ops", (
-                (rate(series("failures"), "op, code"), "{{op}} {{code}}"),
-            ), "Failed store operations per second by operation (load, save, save_exists, lookup) "
-               "and Mooncake error code (-704 not found, -600 buffer, -800 transfer, -900 RPC)."),
+            failures_panel(),
             P("Load job error ratio", "percentunit", (
                 (f"({rate(series('load_jobs', status='error'))} or vector(0)) / "
                  f"{rate(series('load_jobs'))}", "error share"),
@@ -228,6 +258,7 @@ ERRORS_AND_STORE = Dash(
                 (rate(series("lookup_keys")), "keys probed"),
             ), "Store keys (blocks x TP namespaces) the scheduler asks the master about per "
                "second: the lookup load on the master.", width=6),
+            tenant_hit_rate(),
             P("Key namespace per pod and rank", "short", (
                 (f"max by (model_name, pod, tp_rank, fingerprint, hash_algo, transfer) "
                  f"({series('layout_info')})", ""),
@@ -325,6 +356,8 @@ def _panel(spec: P, panel_id: int):
             q = q.instant().format(pm.PromQueryFormat.TABLE)
         else:
             q = q.range().legend_format(legend or "__auto")
+            if spec.exemplars:
+                q = q.exemplar(True)
         b = b.with_target(q)
     return b
 
