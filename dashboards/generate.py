@@ -221,6 +221,24 @@ ERRORS_AND_STORE = Dash(
                 (rate(series("load_error_blocks"), _BY_RANK), _RANK),
             ), "KV blocks reported to vLLM as failed loads; vLLM recomputes their prefill."),
         )),
+        Row("Deadlines and stuck calls", (
+            P("Job threads stuck in a store call", "short", (
+                (f"max by ({_BY_RANK}, op) ({series('threads_stuck')})", f"{_RANK} {{{{op}}}}"),
+                (f"max by ({_BY_RANK}) ({series('staging_buffers')})",
+                 f"{_RANK} staging buffers"),
+            ), "Threads retired while a store call outlived load_timeout_s / save_timeout_s, "
+               "still waiting for Mooncake to return (at most one per pool thread), and the "
+               "staging buffers registered now (one per live thread, plus the stuck ones'). "
+               "Non-zero for minutes: a frozen store node or master (alert "
+               "MooncakePoolStoreCallsStuck)."),
+            P("Jobs past their deadline", "ops", (
+                (rate(series("failures", code="timeout"), "op"), "{{op}} timed out"),
+                (rate(series("threads_replaced"), "op"), "{{op}} threads replaced"),
+            ), "Load jobs recomputed and saves abandoned at their deadline, and the threads "
+               "replaced because their call hung."),
+            P("Auto tuner errors", "ops", ((rate(series("autotune_errors"), _BY_RANK), _RANK),),
+              "Windows the load_threads: auto tuner could not judge (logged; tuning goes on)."),
+        )),
         Row("Save path", (
             P("Keys saved vs skipped (already stored)", "ops", (
                 (rate(series("save_keys")), "written"),

@@ -28,6 +28,7 @@ EXPECTED_ALERTS = {
     "MooncakePoolStoreHitRateCollapsed",
     "MooncakePoolNoSuccessfulStoreOps",
     "MooncakePoolMasterUnreachable",
+    "MooncakePoolStoreCallsStuck",
 }
 
 
