@@ -21,13 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from connector.config import ConfigError, ConnectorConfig, load_config
 from connector.metric_catalog import (
-    BY_KEY,
     EXEMPLAR_LABELS,
     FAMILIES,
     LATENCY_BUCKETS,
     Family,
     known_series,
 )
+from connector.stats import parse_key
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -58,6 +58,7 @@ class PooledStorePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics = {f.key: self._create(f, list(labelnames)) for f in FAMILIES}
         self._children: dict[tuple[str, int], Any] = {}
+        self._unknown: set[str] = set()
         self._config_labels = {"cache_prefix": _cache_prefix(vllm_config)}
         self._exemplars = isinstance(self._histogram_cls, type) and \
             issubclass(self._histogram_cls, Histogram)  # Ray's wrappers take no exemplar
@@ -92,15 +93,18 @@ class PooledStorePromMetrics(KVConnectorPromMetrics):
     def _child(self, key: str, engine_idx: int) -> Any:
         child = self._children.get((key, engine_idx))
         if child is None:
-            fam_key, *values = key.split("|")
-            fam = BY_KEY.get(fam_key)
-            if fam is None or len(values) != len(fam.stats_labels):
-                logger.debug("ignoring unknown stats key %r", key)
+            parsed = parse_key(key)
+            if parsed is None:  # a worker of another connector version: say so, once
+                if key not in self._unknown:
+                    self._unknown.add(key)
+                    logger.warning("ignoring stats key %r: not in this connector's metric "
+                                   "catalogue (mixed versions?)", key)
                 return None
+            fam, values = parsed
             base = self.per_engine_labelvalues[engine_idx]
-            it = iter(values)
-            child = self._metrics[fam_key].labels(
-                *base, *(self._config_labels.get(label) or next(it) for label in fam.labels))
+            child = self._metrics[fam.key].labels(
+                *base, *(self._config_labels.get(label) or values[label]
+                         for label in fam.labels))
             self._children[(key, engine_idx)] = child
         return child
 

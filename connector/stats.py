@@ -28,7 +28,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from connector.events import LoadEvent, LookupEvent, SaveEvent
-from connector.metric_catalog import EXEMPLAR_FAMILIES
+from connector.metric_catalog import BY_KEY, EXEMPLAR_FAMILIES, Family
 
 SAMPLE_CAP = 1024  # histogram samples per key per step; counters stay exact past it
 EXEMPLAR_CAP = 4  # exemplars per key per step (Prometheus keeps the latest per bucket)
@@ -36,8 +36,42 @@ GAUGE_RESEND_S = 5.0  # unchanged gauges are re-sent this often so a fresh front
 _EWMA = 0.2
 
 
-def _key(family: str, *labels: object) -> str:
+def stat_key(family: str, *labels: object) -> str:
+    """Encode a payload key. Checked against the catalogue, so a misspelt family or a wrong
+    label count fails where the key is made (keys are built once per thread or per code)."""
+    fam = BY_KEY.get(family)
+    if fam is None or len(labels) != len(fam.stats_labels):
+        raise ValueError(f"stats key {family}{labels}: the catalogue has "
+                         f"{(family, fam.stats_labels) if fam else 'no such family'}")
     return "|".join((family, *map(str, labels)))
+
+
+def parse_key(key: str) -> tuple[Family, dict[str, str]] | None:
+    """Decode a payload key into its family and label values (None: not in the catalogue)."""
+    fam_key, *values = key.split("|")
+    fam = BY_KEY.get(fam_key)
+    if fam is None or len(values) != len(fam.stats_labels):
+        return None
+    return fam, dict(zip(fam.stats_labels, values, strict=True))
+
+
+def family_of(key: str) -> str:
+    """The family part of a payload key."""
+    return key.split("|", 1)[0]
+
+
+@dataclass(frozen=True)
+class WorkerGauges:
+    """What the worker's pools look like at a stats poll; the recorder names the series."""
+
+    load_queue_depth: int  # peak since the last poll
+    save_queue_depth: int
+    recv_threads: int
+    recv_threads_active: int
+    load_inflight: tuple[int, ...]  # per receive thread: busy since the last poll
+    threads_stuck: dict[str, int]  # by op: load, save
+    staging_buffers: int
+    layout: tuple[str, str, str] | None  # fingerprint, hash_algo, transfer (once registered)
 
 
 @dataclass
@@ -79,7 +113,7 @@ class PooledStoreStats(KVConnectorStats):
         """Totals and latency percentiles for vLLM's periodic "KV Transfer metrics" log line."""
         totals: dict[str, float] = defaultdict(float)
         for k, v in self.data["c"].items():
-            totals[k.split("|", 1)[0]] += v
+            totals[family_of(k)] += v
         out: dict[str, int | float] = {
             "load_jobs": int(totals["load_jobs"]),
             "load_MB": round(totals["load_bytes"] / 2**20, 3),
@@ -92,9 +126,9 @@ class PooledStoreStats(KVConnectorStats):
         }
         samples: dict[str, list[float]] = defaultdict(list)
         for k, v in self.data["h"].items():
-            samples[k.split("|", 1)[0]].extend(v)
+            samples[family_of(k)].extend(v)
         for k, v in self.data.get("x", {}).items():
-            samples[k.split("|", 1)[0]].extend(e[0] for e in v)
+            samples[family_of(k)].extend(e[0] for e in v)
         for fam in ("load_queue_wait_seconds", "load_prepare_seconds",
                     "load_master_lookup_seconds", "load_transfer_seconds", "lookup_seconds"):
             vals = sorted(samples.get(fam, ()))
@@ -114,7 +148,7 @@ class StatsRecorder:
     """
 
     def __init__(self, tp_rank: int = 0, threads: int = 0,
-                 gauges: Callable[[], dict[str, int]] | None = None) -> None:
+                 gauges: Callable[[], WorkerGauges] | None = None) -> None:
         self._lock = threading.Lock()
         self._c: dict[str, float] = defaultdict(int)
         self._h: dict[str, list[float]] = defaultdict(list)
@@ -130,11 +164,11 @@ class StatsRecorder:
         fams = ("load_queue_wait_seconds", "load_prepare_seconds", "load_master_lookup_seconds",
                 "load_transfer_seconds", "load_job_seconds", "load_bytes", "load_keys",
                 "load_busy_seconds")
-        self._tkeys = [{f: _key(f, tp_rank, t) for f in fams}
-                       | {"ok": _key("load_jobs", tp_rank, t, "ok"),
-                          "error": _key("load_jobs", tp_rank, t, "error")}
+        self._tkeys = [{f: stat_key(f, tp_rank, t) for f in fams}
+                       | {"ok": stat_key("load_jobs", tp_rank, t, "ok"),
+                          "error": stat_key("load_jobs", tp_rank, t, "error")}
                        for t in range(threads)]
-        self._rkeys = {f: _key(f, tp_rank) for f in (
+        self._rkeys = {f: stat_key(f, tp_rank) for f in (
             "load_error_blocks", "save_ready_wait_seconds", "save_put_seconds", "save_bytes",
             "save_keys", "save_skipped_keys")}
 
@@ -168,7 +202,7 @@ class StatsRecorder:
                 self._c[k["ok"]] += 1
             else:
                 self._c[k["error"]] += 1
-                self._c[_key("failures", ev.tp_rank, "load", ev.code)] += 1
+                self._c[stat_key("failures", ev.tp_rank, "load", ev.code)] += 1
                 self._c[self._rkeys["load_error_blocks"]] += ev.failed_blocks
             self._c[k["load_bytes"]] += ev.nbytes
             self._c[k["load_keys"]] += ev.keys
@@ -201,22 +235,39 @@ class StatsRecorder:
             self._c[k["save_keys"]] += ev.keys
             self._c[k["save_skipped_keys"]] += ev.skipped
             if ev.code:
-                self._c[_key("failures", ev.tp_rank, ev.failed_op, ev.code)] += 1
+                self._c[stat_key("failures", ev.tp_rank, ev.failed_op, ev.code)] += 1
 
     def on_lookup(self, ev: LookupEvent) -> None:
         with self._lock:
             self._sample("lookup_seconds", ev.seconds)
             self._c["lookup_keys"] += ev.keys
-            self._c[_key("lookups", ev.result)] += 1
+            self._c[stat_key("lookups", ev.result)] += 1
             self._c["lookup_hit_tokens"] += ev.hit_tokens
             self._c["lookup_miss_tokens"] += ev.miss_tokens
             if ev.code:
-                self._c[_key("failures", self._rank, "lookup", ev.code)] += 1
+                self._c[stat_key("failures", self._rank, "lookup", ev.code)] += 1
+
+    def current_gauges(self) -> dict[str, int]:
+        """The gauge series as the next poll would send them (peaks are consumed)."""
+        return self._gauge_series(self._gauges()) if self._gauges is not None else {}
+
+    def _gauge_series(self, w: WorkerGauges) -> dict[str, int]:
+        r = self._rank
+        g = {stat_key("load_queue_depth", r): w.load_queue_depth,
+             stat_key("save_queue_depth", r): w.save_queue_depth,
+             stat_key("recv_threads", r): w.recv_threads,
+             stat_key("recv_threads_active", r): w.recv_threads_active,
+             stat_key("staging_buffers", r): w.staging_buffers}
+        g |= {stat_key("threads_stuck", r, op): n for op, n in w.threads_stuck.items()}
+        g |= {stat_key("load_inflight", r, t): v for t, v in enumerate(w.load_inflight)}
+        if w.layout is not None:
+            g[stat_key("layout_info", r, *w.layout)] = 1
+        return g
 
     def count(self, family: str, *labels: object, n: int = 1) -> None:
         """Add `n` to a counter family outside the job events (pool and tuner health)."""
         with self._lock:
-            self._c[_key(family, *labels)] += n
+            self._c[stat_key(family, *labels)] += n
 
     def snapshot(self) -> PooledStoreStats | None:
         """Hand over everything recorded since the last call (None when nothing happened)."""
@@ -226,7 +277,7 @@ class StatsRecorder:
         g: dict[str, Any] = {}
         if self._gauges is not None:
             now = time.monotonic()
-            cur = self._gauges()
+            cur = self._gauge_series(self._gauges())
             if cur != self._last_gauges or now - self._gauge_sent_at > GAUGE_RESEND_S:
                 g, self._last_gauges, self._gauge_sent_at = cur, cur, now
         if not (c or h or g or x):

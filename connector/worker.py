@@ -37,7 +37,7 @@ from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool, Ticket
 from connector.sampling import LookupProbe
 from connector.staging import BlockStager
-from connector.stats import StatsRecorder
+from connector.stats import StatsRecorder, WorkerGauges
 from connector.store import (
     ABANDONED_CODE,
     EXCEPTION_CODE,
@@ -110,7 +110,6 @@ class MooncakeStoreWorker:
                 config.load_threads, self.pool.set_active,
                 on_error=lambda: self.recorder.count("autotune_errors", tp_rank)))
         self._get_context = None
-        self._info_key = ""
 
     def add_subscriber(self, sub: Subscriber) -> None:
         self.subscribers.append(sub)
@@ -120,8 +119,6 @@ class MooncakeStoreWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any], attn_backend: str = "") -> None:
         self._keys = self._keys.with_signature(
             kv_signature(kv_caches, self._num_blocks, attn_backend))
-        self._info_key = (f"layout_info|{self.tp_rank}|{self._keys.fingerprint}|"
-                          f"{self._keys.layout.hash_algo}|")
         self._regions = compute_regions(kv_caches, self._num_blocks)
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
@@ -231,22 +228,17 @@ class MooncakeStoreWorker:
     def get_load_errors(self) -> set[int]:
         return self.ledger.take_load_errors()
 
-    def _gauges(self) -> dict[str, int]:
+    def _gauges(self) -> WorkerGauges:
         """Sampled at every stats poll; queue depth and in-flight are peaks since the last one."""
         depth, busy = self.pool.take_peaks()
-        r = self.tp_rank
-        g = {f"load_queue_depth|{r}": depth,
-             f"save_queue_depth|{r}": self.save_pool.depth(),
-             f"recv_threads|{r}": self.pool.size,
-             f"recv_threads_active|{r}": self.pool.active,
-             f"threads_stuck|{r}|load": self.pool.stuck,
-             f"threads_stuck|{r}|save": self.save_pool.stuck,
-             f"staging_buffers|{r}": self.staging_buffers}
-        if self._info_key:
-            g[self._info_key + ("staged" if self._staged else "multibuffer")] = 1
-        for i, v in enumerate(busy):
-            g[f"load_inflight|{r}|{i}"] = v
-        return g
+        return WorkerGauges(
+            load_queue_depth=depth, save_queue_depth=self.save_pool.depth(),
+            recv_threads=self.pool.size, recv_threads_active=self.pool.active,
+            load_inflight=tuple(busy),
+            threads_stuck={"load": self.pool.stuck, "save": self.save_pool.stuck},
+            staging_buffers=self.staging_buffers,
+            layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
+                    "staged" if self._staged else "multibuffer") if self._regions else None)
 
     def _publish(self, method: str, ev: Any) -> None:
         for sub in self.subscribers:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import REGISTRY
@@ -17,7 +18,21 @@ from connector import PooledMooncakeStoreConnector
 from connector.events import LoadEvent, LookupEvent, SaveEvent
 from connector.metric_catalog import KNOWN_FAILURES
 from connector.prom import PooledStorePromMetrics
-from connector.stats import EXEMPLAR_CAP, SAMPLE_CAP, PooledStoreStats, StatsRecorder
+from connector.stats import (
+    EXEMPLAR_CAP,
+    SAMPLE_CAP,
+    PooledStoreStats,
+    StatsRecorder,
+    WorkerGauges,
+    parse_key,
+    stat_key,
+)
+
+
+def gauges(depth: int) -> WorkerGauges:
+    return WorkerGauges(load_queue_depth=depth, save_queue_depth=0, recv_threads=1,
+                        recv_threads_active=1, load_inflight=(0,),
+                        threads_stuck={"load": 0, "save": 0}, staging_buffers=1, layout=None)
 
 
 def load_event(thread: int, rank: int, code: str = "", t: float = 100.0) -> LoadEvent:
@@ -26,7 +41,7 @@ def load_event(thread: int, rank: int, code: str = "", t: float = 100.0) -> Load
 
 
 def rank_stats(rank: int, threads: int = 2) -> PooledStoreStats:
-    rec = StatsRecorder(rank, threads, lambda: {f"load_queue_depth|{rank}": rank + 1})
+    rec = StatsRecorder(rank, threads, lambda: gauges(rank + 1))
     for t in range(threads):
         rec.on_load(load_event(t, rank))
     rec.on_load(load_event(0, rank, code="-704"))
@@ -41,7 +56,8 @@ def test_aggregate_across_tp_ranks_keeps_rank_and_thread_identity():
     assert c["load_jobs|0|0|ok"] == c["load_jobs|1|0|ok"] == 1
     assert c["failures|0|load|-704"] == c["failures|1|load|-704"] == 1
     assert c["load_error_blocks|1"] == 4
-    assert agg.data["g"] == {"load_queue_depth|0": 1, "load_queue_depth|1": 2}
+    g = agg.data["g"]
+    assert (g["load_queue_depth|0"], g["load_queue_depth|1"]) == (1, 2)  # one per rank
     assert len(agg.data["h"]["load_prepare_seconds|1|0"]) == 2
     assert not agg.is_empty()
     red = agg.reduce()
@@ -75,11 +91,22 @@ def test_payload_is_bounded():
 
 def test_idle_worker_sends_gauges_only_when_they_change():
     depth = {"v": 3}
-    rec = StatsRecorder(0, 1, lambda: {"load_queue_depth|0": depth["v"]})
-    assert rec.snapshot().data["g"] == {"load_queue_depth|0": 3}
+    rec = StatsRecorder(0, 1, lambda: gauges(depth["v"]))
+    assert rec.snapshot().data["g"]["load_queue_depth|0"] == 3
     assert rec.snapshot() is None
     depth["v"] = 0
-    assert rec.snapshot().data["g"] == {"load_queue_depth|0": 0}
+    assert rec.snapshot().data["g"]["load_queue_depth|0"] == 0
+
+
+def test_payload_keys_are_checked_against_the_catalogue():
+    assert stat_key("failures", 0, "load", "-704") == "failures|0|load|-704"
+    fam, labels = parse_key("load_jobs|1|3|ok")
+    assert fam.key == "load_jobs" and labels == {"tp_rank": "1", "thread": "3", "status": "ok"}
+    assert parse_key("lookups|hit")[1] == {"result": "hit"}  # cache_prefix comes from config
+    for bad in (("load_job", 0, 1), ("load_jobs", 0, 1)):  # misspelt family, a label short
+        with pytest.raises(ValueError, match="stats key"):
+            stat_key(*bad)
+    assert parse_key("nonsense|1") is None and parse_key("load_jobs|0") is None
 
 
 def test_prometheus_export_and_duplicate_registration():
