@@ -136,7 +136,7 @@ class OursDriver:
                                           geometry.num_blocks)
         self.worker.register_kv_caches(caches)
         if subscribers is not None:  # replace the default [StatsRecorder]
-            self.worker.subscribers = []
+            self.worker.events.subscribers = []
             for sub in subscribers:
                 self.worker.add_subscriber(sub)
         self._phases = PhaseTotals()
@@ -147,12 +147,12 @@ class OursDriver:
             BlockTransfer(r.req_id, r.dst, tuple(h[i] for i in r.src)) for r in requests)))
 
     def poll(self) -> tuple[set[str], set[int]]:
-        errors = self.worker.get_load_errors()  # before completions, as vLLM polls
-        _, done = self.worker.get_finished()
+        _, done = self.worker.get_finished()  # completions, then failed blocks, as vLLM polls
+        errors = self.worker.get_load_errors()
         return done or set(), errors
 
     def collect(self) -> None:
-        if self.worker.recorder in self.worker.subscribers:
+        if self.worker.recorder in self.worker.events.subscribers:
             snap = self.worker.recorder.snapshot()
             if snap is not None:
                 self._phases.add(snap.data)

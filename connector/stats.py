@@ -27,7 +27,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from connector.events import LoadEvent, LookupEvent, SaveEvent
+from connector.events import LoadEvent, LookupEvent, SaveEvent, Subscriber
 from connector.metric_catalog import BY_KEY, EXEMPLAR_FAMILIES, Family
 
 SAMPLE_CAP = 1024  # histogram samples per key per step; counters stay exact past it
@@ -140,7 +140,7 @@ class PooledStoreStats(KVConnectorStats):
         return out
 
 
-class StatsRecorder:
+class StatsRecorder(Subscriber):
     """Metrics subscriber: folds events into counters and samples until vLLM polls.
 
     Called from the receive/save threads and the scheduler's lookup thread; the lock is held

@@ -41,7 +41,7 @@ from typing import Any
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
 from connector import otlp_http
-from connector.events import LoadEvent, LookupEvent, SaveEvent
+from connector.events import LoadEvent, SaveEvent, Subscriber
 from connector.sampling import (
     DEFAULT_SAMPLE_RATIO,  # noqa: F401 - re-exported (bench)
     DEFAULT_SAMPLER,
@@ -194,8 +194,9 @@ def make_writer(resource_attrs: dict[str, str],
 Traced = Callable[[LoadEvent, str, str], None]  # (event, trace id hex, root span id hex)
 
 
-class SpanExporter:
-    """Subscriber that turns sampled job events into OpenTelemetry spans."""
+class SpanExporter(Subscriber):
+    """Turns sampled job events into OpenTelemetry spans (lookups are covered by metrics; a
+    span per scheduler lookup would be noise)."""
 
     MAX_BATCH = 512  # jobs per writer flush (one OTLP post)
 
@@ -247,8 +248,6 @@ class SpanExporter:
     def on_save(self, ev: SaveEvent) -> None:
         self._offer(ev)
 
-    def on_lookup(self, ev: LookupEvent) -> None:
-        """Lookups are covered by metrics; a span per scheduler lookup would be noise."""
 
     # ---- trace thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -294,7 +293,7 @@ class SpanExporter:
         attrs = {"thread": ev.thread, "tp_rank": ev.tp_rank, "keys": ev.keys,
                  "bytes": ev.nbytes, "status": "ok" if ev.ok else "error",
                  "error_code": ev.code, "failed_blocks": ev.failed_blocks,
-                 "request_hash": ev.trace_id}
+                 "request_hash": ev.request_hash}
         self._job("mooncake.load", ids, ev.trace_parent, ev.t_enqueue, ev.t_end, attrs, ev.code,
                   phases)
 
@@ -303,7 +302,7 @@ class SpanExporter:
                   ("put", ev.t_exists_end, ev.t_end)]
         attrs = {"tp_rank": ev.tp_rank, "keys": ev.keys, "skipped_keys": ev.skipped,
                  "bytes": ev.nbytes, "status": "error" if ev.code else "ok",
-                 "error_code": ev.code, "request_hash": ev.trace_id}
+                 "error_code": ev.code, "request_hash": ev.request_hash}
         self._job("mooncake.save", ids, ev.trace_parent, ev.t_enqueue, ev.t_end, attrs, ev.code,
                   phases)
 

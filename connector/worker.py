@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.events import LoadEvent, SaveEvent, Subscriber
+from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber
 from connector.keys import KeyBuilder, kv_signature
 from connector.kv_regions import BlockRegions, compute_regions
 from connector.ledger import RequestLedger
@@ -102,17 +102,17 @@ class MooncakeStoreWorker:
             1, self._save_job, name="mcpool-save", deadline_s=config.save_timeout_s,
             on_expire=self._save_expired, on_retire=self._release_stager,
             on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "save"))
-        self.subscribers: list[Subscriber] = [self.recorder]
+        self.events = Publisher(self.recorder)
         if config.load_threads_auto:
             from connector.autotune import ThreadTuner
 
-            self.subscribers.append(ThreadTuner(
+            self.events.add(ThreadTuner(
                 config.load_threads, self.pool.set_active,
                 on_error=lambda: self.recorder.count("autotune_errors", tp_rank)))
         self._get_context = None
 
     def add_subscriber(self, sub: Subscriber) -> None:
-        self.subscribers.append(sub)
+        self.events.add(sub)
         self._get_context = getattr(sub, "get_context", self._get_context)
 
     # ---- registration ----------------------------------------------------------------------
@@ -240,13 +240,6 @@ class MooncakeStoreWorker:
             layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
                     "staged" if self._staged else "multibuffer") if self._regions else None)
 
-    def _publish(self, method: str, ev: Any) -> None:
-        for sub in self.subscribers:
-            try:
-                getattr(sub, method)(ev)
-            except Exception:  # observability must never break the data path
-                logger.exception("subscriber %r failed", sub)
-
     def _connected(self) -> Any:
         """The store client, or StoreDown when there is none or the breaker is open."""
         client = self._store.ready()
@@ -300,8 +293,8 @@ class MooncakeStoreWorker:
         if not ticket.finish():
             return  # expired: the watchdog reported it, and nothing was copied since
         self.ledger.finish_load(t.req_id, failed if code else ())
-        self._publish("on_load", LoadEvent(
-            thread=thread, tp_rank=self.tp_rank, trace_id=request_hash(t.req_id),
+        self.events.load(LoadEvent(
+            thread=thread, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=nbytes, failed_blocks=len(failed) if code else 0,
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
@@ -312,8 +305,8 @@ class MooncakeStoreWorker:
         t = job.transfer
         self.ledger.finish_load(t.req_id, t.block_ids)
         now = time.perf_counter()
-        self._publish("on_load", LoadEvent(
-            thread=0, tp_rank=self.tp_rank, trace_id=request_hash(t.req_id),
+        self.events.load(LoadEvent(
+            thread=0, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=0, failed_blocks=len(t.block_ids), code=reason,
             t_enqueue=job.t_enqueue, t_start=now, t_prepared=now, t_lookup_end=now, t_end=now,
             lookup_sampled=False, trace_parent=job.trace_parent))
@@ -371,8 +364,8 @@ class MooncakeStoreWorker:
         if not ticket.finish():
             return  # expired: the watchdog already reported it and released its blocks
         self.ledger.finish_save(t.req_id)
-        self._publish("on_save", SaveEvent(
-            tp_rank=self.tp_rank, trace_id=request_hash(t.req_id), keys=stored, skipped=skipped,
+        self.events.save(SaveEvent(
+            tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=stored, skipped=skipped,
             nbytes=nbytes, code=code, failed_op=op, t_enqueue=job.t_enqueue, t_start=t_start,
             t_ready=t_ready, t_exists_end=t_exists, t_end=time.perf_counter(),
             trace_parent=job.trace_parent))
@@ -399,8 +392,8 @@ class MooncakeStoreWorker:
         t = job.transfer
         self.ledger.finish_save(t.req_id)
         now = time.perf_counter()
-        self._publish("on_save", SaveEvent(
-            tp_rank=self.tp_rank, trace_id=request_hash(t.req_id), keys=0, skipped=0, nbytes=0,
+        self.events.save(SaveEvent(
+            tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0, nbytes=0,
             code=reason, failed_op="save", t_enqueue=job.t_enqueue, t_start=now, t_ready=now,
             t_exists_end=now, t_end=now, trace_parent=job.trace_parent))
 
@@ -412,7 +405,7 @@ class MooncakeStoreWorker:
             return
         self._closed = True
         stuck = self.pool.close(SHUTDOWN_WAIT_S) + self.save_pool.close(SHUTDOWN_WAIT_S)
-        for sub in self.subscribers:
+        for sub in self.events.subscribers:
             if hasattr(sub, "shutdown"):
                 sub.shutdown()
         self._store.close([t.join for t in stuck])

@@ -64,7 +64,8 @@ def sink():
 
 def event(code: str = "", parent=None) -> LoadEvent:
     t = time.perf_counter()
-    return LoadEvent(thread=3, tp_rank=1, trace_id="feed", keys=4, nbytes=-1 if code else 1 << 19,
+    return LoadEvent(thread=3, tp_rank=1, request_hash="feed", keys=4,
+                     nbytes=-1 if code else 1 << 19,
                      failed_blocks=4 if code else 0, code=code, t_enqueue=t, t_start=t + 0.001,
                      t_prepared=t + 0.002, t_lookup_end=t + 0.003, t_end=t + 0.004,
                      lookup_sampled=True, trace_parent=parent)

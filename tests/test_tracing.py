@@ -37,7 +37,7 @@ def traced():
 
 def load_event(code: str = "", parent=None, sampled: bool = True) -> LoadEvent:
     t = time.perf_counter()
-    return LoadEvent(thread=2, tp_rank=0, trace_id="abcd", keys=4, nbytes=4096,
+    return LoadEvent(thread=2, tp_rank=0, request_hash="abcd", keys=4, nbytes=4096,
                      failed_blocks=4 if code else 0, code=code, t_enqueue=t, t_start=t + 0.001,
                      t_prepared=t + 0.002, t_lookup_end=t + 0.003 if sampled else t + 0.002,
                      t_end=t + 0.004, lookup_sampled=sampled, trace_parent=parent)
@@ -69,7 +69,7 @@ def test_failed_load_sets_error_status_and_save_spans(traced):
     exp = make()
     exp.on_load(load_event(code="-704", sampled=False))
     t = time.perf_counter()
-    exp.on_save(SaveEvent(tp_rank=0, trace_id="ef", keys=2, skipped=1, nbytes=10, code="",
+    exp.on_save(SaveEvent(tp_rank=0, request_hash="ef", keys=2, skipped=1, nbytes=10, code="",
                           failed_op="save", t_enqueue=t, t_start=t, t_ready=t, t_exists_end=t,
                           t_end=t + 0.001))
     exp.flush()
