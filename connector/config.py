@@ -26,6 +26,10 @@ DEFAULT_AUTO_MAX = 8
 PROTOCOLS = ("tcp", "rdma")
 ON_MASTER_UNREACHABLE = ("fail", "degrade")
 STAGING_MODES = ("auto", "on", "off")
+ETCD_SCHEME = "etcd://"
+# The Mooncake client reads the HA cluster id from this variable (default "mooncake_cluster",
+# as the masters' --cluster_id); the connector exports cluster_id there when it is unset.
+CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -39,6 +43,7 @@ MOONCAKE_KEYS = (
     "local_hostname",
     "global_segment_size",
     "local_buffer_size",
+    "cluster_id",
 )
 # Connector-only keys, accepted in extra_config.
 CONNECTOR_KEYS = (
@@ -130,6 +135,13 @@ class StoreConfig:
     # on store nodes; then stored blocks outlive engine restarts.
     global_segment_size: int = 4 * 2**30
     local_buffer_size: int = 512 * 2**20
+    # HA master group (master_server_address etcd://...): the masters' --cluster_id, or ""
+    # for Mooncake's default. Exported as MC_STORE_CLUSTER_ID before the client is set up.
+    cluster_id: str = ""
+
+    @property
+    def ha(self) -> bool:
+        return self.master_server_address.startswith(ETCD_SCHEME)
 
 
 @dataclass(frozen=True)
@@ -185,6 +197,48 @@ def _load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+_HOST_PORT = re.compile(r"^[^:\s,;/]+:\d{1,5}$")
+
+
+def etcd_endpoints(url: str, field_name: str) -> list[str]:
+    """The host:port list of an ``etcd://h1:p1[,h2:p2]`` address (`;` separates too, as in
+    the masters' --etcd_endpoints)."""
+    eps = [e.strip() for e in re.split(r"[,;]", url[len(ETCD_SCHEME):])]
+    if not eps or not all(_HOST_PORT.match(e) for e in eps):
+        raise ConfigError(f"{field_name}: expected etcd://host:port[,host:port] (the etcd "
+                          f"endpoints of the HA masters), got {url!r}")
+    return eps
+
+
+def _master_address(value: Any, field_name: str) -> str:
+    master = _text(value, field_name)
+    if master.startswith(ETCD_SCHEME):
+        etcd_endpoints(master, field_name)
+    elif not _HOST_PORT.match(master):
+        raise ConfigError(f"{field_name}: expected host:port (one master) or "
+                          f"etcd://host:port[,host:port] (an HA master group), got {master!r}")
+    return master
+
+
+def _cluster_id(value: Any, field_name: str, master: str, environ: Mapping[str, str]) -> str:
+    """The HA cluster id; it must agree with MC_STORE_CLUSTER_ID, which the client reads."""
+    env = environ.get(CLUSTER_ID_ENV, "")
+    if value is None:
+        return env if master.startswith(ETCD_SCHEME) else ""
+    cid = _text(value, field_name)
+    if not master.startswith(ETCD_SCHEME):
+        raise ConfigError(f"{field_name}: only used with an HA master group; set "
+                          "master_server_address to etcd://host:port or remove cluster_id")
+    if not re.match(r"^[A-Za-z0-9._-]+$", cid):
+        raise ConfigError(f"{field_name}: {cid!r} is not a cluster id; use the masters' "
+                          "--cluster_id (letters, digits, '.', '_', '-')")
+    if env and env != cid:
+        raise ConfigError(f"{field_name}: {cid!r} differs from {CLUSTER_ID_ENV}={env!r} in the "
+                          "environment, which the Mooncake client uses; make them equal or "
+                          "unset one")
+    return cid
+
+
 def load_config(
     extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
 ) -> ConnectorConfig:
@@ -221,14 +275,14 @@ def load_config(
         raise ConfigError(
             f"{where('protocol')}: unknown protocol {merged['protocol']!r}; use one of {PROTOCOLS}"
         )
-    master = _text(merged["master_server_address"], where("master_server_address"))
-    if not re.match(r"^[^:\s]+:\d{1,5}$", master):
-        raise ConfigError(
-            f"{where('master_server_address')}: expected host:port, got {master!r}"
-        )
+    master = _master_address(merged["master_server_address"], where("master_server_address"))
+    metadata = _text(merged["metadata_server"], where("metadata_server"))
+    if metadata.startswith(ETCD_SCHEME):
+        etcd_endpoints(metadata, where("metadata_server"))
     store = StoreConfig(
-        metadata_server=_text(merged["metadata_server"], where("metadata_server")),
+        metadata_server=metadata,
         master_server_address=master,
+        cluster_id=_cluster_id(merged.get("cluster_id"), where("cluster_id"), master, environ),
         protocol=protocol,
         device_name=_text(merged.get("device_name", ""), where("device_name"), allow_empty=True),
         local_hostname=_text(

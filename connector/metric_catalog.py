@@ -101,6 +101,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("failures", "counter", ("tp_rank", "op", "code"),
            "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, abandoned (save given up at a preemption), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
+    # Master outages and HA failovers, as this rank's store client rode through them.
+    Family("master_failovers", "counter", _R, "HA master failovers this rank's store client rode through: its circuit breaker opened on an RPC failure and closed on a different leader.",
+           "Did the master group fail over, and did every engine follow the new leader?"),
+    Family("master_down_seconds", "counter", _R, "Time this rank's store client had no master answering (circuit breaker open: store jobs fail fast and vLLM recomputes); counted while it lasts.",
+           "How long was the cache unavailable during a master outage or failover?"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}

@@ -97,11 +97,13 @@ class StatsRecorder:
     """
 
     def __init__(self, tp_rank: int = 0, threads: int = 0,
-                 gauges: Callable[[], dict[str, int]] | None = None) -> None:
+                 gauges: Callable[[], dict[str, int]] | None = None,
+                 counters: Callable[[], dict[str, float]] | None = None) -> None:
         self._lock = threading.Lock()
         self._c: dict[str, float] = defaultdict(int)
         self._h: dict[str, list[float]] = defaultdict(list)
         self._gauges = gauges
+        self._counters = counters  # increments polled at each snapshot (not event-driven)
         self._last_gauges: dict[str, int] = {}
         self._gauge_sent_at = 0.0
         self._rank = tp_rank
@@ -174,9 +176,12 @@ class StatsRecorder:
 
     def snapshot(self) -> PooledStoreStats | None:
         """Hand over everything recorded since the last call (None when nothing happened)."""
+        polled = self._counters() if self._counters is not None else {}
         with self._lock:
             c, h = self._c, self._h
             self._c, self._h = defaultdict(int), defaultdict(list)
+        for k, v in polled.items():
+            c[k] += v
         g: dict[str, Any] = {}
         if self._gauges is not None:
             now = time.monotonic()

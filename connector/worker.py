@@ -98,7 +98,8 @@ class MooncakeStoreWorker:
         self._save_thread = threading.Thread(target=self._save_loop, name="mcpool-save",
                                              daemon=True)
         self._save_thread.start()
-        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges)
+        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges,
+                                      self._master_outage)
         self.subscribers: list[Subscriber] = [self.recorder]
         if config.load_threads_auto:
             from connector.autotune import ThreadTuner
@@ -243,6 +244,12 @@ class MooncakeStoreWorker:
         for i, v in enumerate(busy):
             g[f"load_inflight|{self.tp_rank}|{i}"] = v
         return g
+
+    def _master_outage(self) -> dict[str, float]:
+        failovers, seconds = self._store.take_outage()
+        out = {f"master_failovers|{self.tp_rank}": failovers,
+               f"master_down_seconds|{self.tp_rank}": seconds}
+        return {k: v for k, v in out.items() if v}
 
     def _publish(self, method: str, ev: Any) -> None:
         for sub in self.subscribers:

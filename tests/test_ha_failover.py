@@ -1,0 +1,202 @@
+"""The cache survives a Mooncake master failover: an HA group (etcd, two masters with the oplog,
+a store node) behind a real `vllm serve`. Killing the leader during a burst of store hits fails
+no request and changes no output, the burst does not wait out the promotion (jobs fail fast to
+recompute), and afterwards the same prompts come from the store again; killing the standby
+changes nothing. One HA group and one engine serve the whole module.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from connector.config import CLUSTER_ID_ENV, ConfigError, load_config
+from connector.store import StoreUnavailable, check_reachable
+from devkit.ha_cluster import HaCluster
+from devkit.ha_timeline import measure_failover
+from devkit.local_cluster import _wait_segment_mounted
+from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from tests.test_faults import prompts as random_prompts
+from tests.test_faults import wait_for_cache
+
+P = "vllm:mooncake_pool_"
+HITS = "vllm:external_prefix_cache_hits_total"
+BASE = {"master_server_address": "etcd://10.0.0.1:2379,10.0.0.2:2379",
+        "metadata_server": "etcd://10.0.0.1:2379,10.0.0.2:2379"}
+
+
+# ---- configuration (no processes) ----------------------------------------------------------
+@pytest.mark.parametrize("address", ["etcd://127.0.0.1:2379", "etcd://a:2379,b:2379",
+                                     "etcd://a:2379;b:2379"])
+def test_ha_master_group_is_a_supported_address(address):
+    cfg = load_config({**BASE, "master_server_address": address, "cluster_id": "prod-1"}, {})
+    assert cfg.store.ha and cfg.store.master_server_address == address
+    assert cfg.store.cluster_id == "prod-1"
+    # Without the key the client's own variable is used.
+    assert load_config(BASE, {CLUSTER_ID_ENV: "from-env"}).store.cluster_id == "from-env"
+
+
+@pytest.mark.parametrize("extra, environ, expected", [
+    ({"master_server_address": "etcd://"}, {}, "master_server_address: expected etcd://host:port"),
+    ({"master_server_address": "etcd://a:1,b"}, {}, "master_server_address: expected etcd://"),
+    ({"master_server_address": "http://a:1"}, {}, "master_server_address: expected host:port "
+                                                  "(one master) or etcd://"),
+    ({"metadata_server": "etcd://a"}, {}, "metadata_server: expected etcd://host:port"),
+    ({"cluster_id": "a b"}, {}, "cluster_id: 'a b' is not a cluster id"),
+    ({"cluster_id": "a"}, {CLUSTER_ID_ENV: "b"}, f"cluster_id: 'a' differs from {CLUSTER_ID_ENV}"),
+    ({"cluster_id": "a", "master_server_address": "127.0.0.1:50051"}, {},
+     "cluster_id: only used with an HA master group"),
+])
+def test_bad_ha_config_names_the_field(extra, environ, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config({**BASE, **extra}, environ)
+    assert str(e.value).startswith("kv_connector_extra_config." + expected), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# ---- a real HA group -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ha_cluster():
+    cluster = HaCluster(segment_size="256MB").start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def ha_server(tiny_model, ha_cluster, reference_outputs):
+    # No MC_STORE_CLUSTER_ID in the engine's environment: the connector exports cluster_id.
+    assert CLUSTER_ID_ENV not in os.environ
+    server = VllmServer(tiny_model, connector_kv_config(ha_cluster.store_config(
+        global_segment_size=0, local_buffer_size="64MB", cache_prefix="ha", load_threads=4,
+        lookup_timeout_s=1.0))).start()
+    yield server
+    server.stop()
+
+
+def test_wrong_cluster_id_fails_fast_naming_it(ha_cluster, monkeypatch):
+    monkeypatch.delenv(CLUSTER_ID_ENV, raising=False)
+    cfg = load_config(ha_cluster.store_config(cluster_id="not-this-one"), {})
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable) as e:
+        check_reachable(cfg.store, timeout=1.0)
+    assert time.monotonic() - t0 < 5
+    assert "cluster id 'not-this-one'" in str(e.value) and "cluster_id" in str(e.value)
+
+
+def test_failover_timeline_at_the_client(ha_cluster, monkeypatch):
+    """The breaker opens on the first -900, closes once the new leader serves, and every
+    object stored before the kill is readable, byte for byte, afterwards."""
+    monkeypatch.setenv(CLUSTER_ID_ENV, ha_cluster.cluster_id)  # restored for the engine
+    t = measure_failover(ha_cluster)
+    print("failover timeline:", t)
+    assert t["new_leader"] and t["objects_readable_after"] == t["objects"]
+    assert t["objects_identical_after"]
+    # The probe spends no more than one blocked call (~4.3 s) after the leader serves.
+    assert t["breaker_closed_s"] - t["new_leader_serving_s"] < 6.0, t
+    assert t["connector_failovers"] == 1 and t["connector_down_s"] >= t["new_leader_in_etcd_s"]
+
+
+def store_hits(server: VllmServer, work: list[list[int]]) -> tuple[float, float, list]:
+    """Serve `work` one by one from the store (local prefix cache dropped first); returns
+    (prompt tokens hit in the store, blocks newly saved, outputs)."""
+    server.reset_prefix_cache()
+    before = server.metrics()
+    outputs = [server.complete(p) for p in work]
+    time.sleep(1.0)  # saves drain and the last stats interval reaches /metrics
+    after = server.metrics()
+    return (metric_sum(after, HITS) - metric_sum(before, HITS),
+            metric_sum(after, P + "save_keys_total") - metric_sum(before, P + "save_keys_total"),
+            outputs)
+
+
+def staggered_burst(server: VllmServer, work: list[list[int]], fault, at: float = 0.15,
+                    gap: float = 0.04) -> tuple[list, float, float]:
+    """Send `work` concurrently, one request every `gap` s, with `fault()` `at` s in, so that
+    requests are in flight on both sides of the fault. Returns (outputs, seconds from the
+    fault to the last response, seconds from the first request to the fault)."""
+    marks: dict[str, float] = {}
+
+    def inject() -> None:
+        time.sleep(at)
+        fault()
+        marks["fault"] = time.monotonic()
+
+    def send(i: int) -> list[int]:
+        time.sleep(i * gap)
+        return server.complete(work[i])
+
+    injector = threading.Thread(target=inject)
+    with ThreadPoolExecutor(len(work)) as pool:
+        marks["start"] = time.monotonic()
+        injector.start()
+        outputs = list(pool.map(send, range(len(work))))
+    done = time.monotonic()
+    injector.join()
+    return outputs, done - marks["fault"], marks["fault"] - marks["start"]
+
+
+def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts,
+                                              reference_outputs):
+    server = ha_server
+    assert [server.complete(p) for p in prompts] == reference_outputs  # computed and saved
+    time.sleep(1.5)  # saves drain, and the standby applies them (oplog poll: 1 s)
+    hits_before, _, outputs = store_hits(server, prompts)
+    # The first prompt of each shared prefix loads it; the others load only their own block.
+    assert outputs == reference_outputs and hits_before >= 2 * (352 + 2 * 32)
+    m0 = server.metrics()
+    server.reset_prefix_cache()
+    leader = ha_cluster.leader()
+    work = prompts * 2  # 12 store-hit requests
+    outputs, after_kill, before_kill = staggered_burst(server, work, leader.kill)
+    print(f"burst: kill {before_kill:.2f}s after the first request, last response "
+          f"{after_kill:.2f}s after the kill")
+    assert outputs == reference_outputs * 2, "a request hit by the failover changed its output"
+    assert after_kill > 0, "the burst finished before the kill: nothing was tested"
+    assert after_kill < 5.0, f"the burst waited {after_kill:.1f}s for the failover"
+
+    new = ha_cluster.wait_serving(60, exclude=leader)
+    _wait_segment_mounted(ha_cluster)  # the store node remounted on the new leader
+    deadline = time.monotonic() + 30  # the -703/-200 window right after the promotion
+    while True:
+        hits_after, saved, outputs = store_hits(server, prompts)
+        if hits_after >= 0.9 * hits_before or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert outputs == reference_outputs
+    print(f"store hits: {hits_after:.0f} prompt tokens after the failover, "
+          f"{hits_before:.0f} before")
+    assert hits_after >= 0.9 * hits_before, "the cache did not survive the failover"
+    assert saved == 0, "blocks were saved again: the hits did not come from what survived"
+    m1 = server.metrics()
+    assert metric_sum(m1, P + "master_failovers_total") - \
+        metric_sum(m0, P + "master_failovers_total") == 1
+    assert metric_sum(m1, P + "master_down_seconds_total") > \
+        metric_sum(m0, P + "master_down_seconds_total")
+    assert metric_sum(m1, P + "failures_total", code="-900") > \
+        metric_sum(m0, P + "failures_total", code="-900")
+    wait_for_cache(server, 1300)  # new prefixes are saved and hit
+    ha_cluster.restart(leader)  # back to two masters, the old leader now the standby
+    assert ha_cluster.leader() is new
+
+
+def test_standby_killed_serving_unaffected(ha_server, ha_cluster):
+    server = ha_server
+    work = random_prompts(1400)
+    reference = [server.complete(p) for p in work]
+    time.sleep(1.0)
+    server.reset_prefix_cache()
+    m0 = server.metrics()
+    standby = ha_cluster.standby()
+    outputs, after_kill, _ = staggered_burst(server, work, standby.kill)
+    time.sleep(1.0)
+    m1 = server.metrics()
+    assert outputs == reference
+    assert metric_sum(m1, HITS) - metric_sum(m0, HITS) > 0.9 * sum(len(p) - 7 for p in work)
+    assert metric_sum(m1, P + "failures_total") == metric_sum(m0, P + "failures_total")
+    assert metric_sum(m1, P + "master_down_seconds_total") == \
+        metric_sum(m0, P + "master_down_seconds_total")
+    ha_cluster.restart(standby)
