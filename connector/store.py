@@ -50,6 +50,7 @@ ABANDONED_CODE = "abandoned"
 # Codes that mean the master itself is gone: stop calling it until a probe says it is back.
 MASTER_DOWN_CODES = frozenset({-900, -901})
 PROBE_KEY = "__mcpool_probe__"
+RPC_TIMEOUT_ENV, RPC_CONNECT_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS"
 # Both the masters and the client use this id when none is given.
 DEFAULT_CLUSTER_ID = "mooncake_cluster"
 
@@ -148,6 +149,11 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
     master = check_reachable(cfg, timeout)
     if cfg.cluster_id:  # the client reads it from the environment (load_config checked both)
         os.environ.setdefault(CLUSTER_ID_ENV, cfg.cluster_id)
+    # Bound one master RPC by store_timeout_s (Mooncake's default is 30 s: a call in flight to
+    # a partitioned leader held its job that long), and a reconnect attempt by 1 s (with 30 s
+    # a call after the timeout blocked ~90 s reconnecting to the unreachable old leader).
+    os.environ.setdefault(RPC_TIMEOUT_ENV, str(int(timeout * 1000)))
+    os.environ.setdefault(RPC_CONNECT_TIMEOUT_ENV, str(int(min(timeout, 1.0) * 1000)))
     from mooncake.store import MooncakeDistributedStore  # heavy; worker/scheduler only
 
     store = MooncakeDistributedStore()

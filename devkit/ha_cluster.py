@@ -22,10 +22,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from connector.config import CLUSTER_ID_ENV
+from connector.store import RPC_CONNECT_TIMEOUT_ENV, RPC_TIMEOUT_ENV
 from devkit.local_cluster import MooncakeMaster, StoreNode, _binary, free_port
 from devkit.processes import HOST, spawn, stop_process, wait_http
-
-CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"
 
 
 @dataclass
@@ -36,16 +36,17 @@ class Etcd:
     peer_port: int = field(default_factory=free_port)
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mooncake-etcd-"))
     proc: object = None
+    host: str = HOST
 
     @property
     def endpoint(self) -> str:
-        return f"{HOST}:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def start(self) -> Etcd:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         if not Path(binary).exists():
             raise FileNotFoundError("etcd not found; run scripts/setup.sh (apt etcd-server)")
-        client, peer = f"http://{self.endpoint}", f"http://{HOST}:{self.peer_port}"
+        client, peer = f"http://{self.endpoint}", f"http://{self.host}:{self.peer_port}"
         args = [binary, "--name", "mcpool", "--data-dir", str(Path(self.log_dir) / "data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -66,6 +67,7 @@ class HaMaster(MooncakeMaster):
 
     etcd_endpoints: str = ""
     cluster_id: str = ""
+    wrap: tuple[str, ...] = ()  # argv prefix, e.g. ("ip", "netns", "exec", NS)
 
     @property
     def metadata_server(self) -> str:
@@ -73,25 +75,26 @@ class HaMaster(MooncakeMaster):
 
     def command(self) -> list[str]:
         return [
-            _binary("mooncake_master"),
+            *self.wrap, _binary("mooncake_master"),
             "--enable_ha=true", "--ha_backend_type=etcd",
             f"--etcd_endpoints={self.etcd_endpoints}", f"--cluster_id={self.cluster_id}",
             "--enable_oplog=true",
-            f"--rpc_address={HOST}", f"--rpc_port={self.rpc_port}",
-            f"--metrics_host={HOST}", f"--metrics_port={self.metrics_port}",
+            f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}",
+            f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
             "--rpc_enable_tcp_no_delay=true", "--logtostderr=true",
             *self.extra_args,
         ]
 
     def start(self) -> HaMaster:
         self.proc = spawn(self.command(), Path(self.log_dir) / f"master-{self.rpc_port}.log")
-        wait_http(f"http://{HOST}:{self.metrics_port}/health", self.proc, "mooncake_master", 30)
+        wait_http(f"http://{self.host}:{self.metrics_port}/health", self.proc, "mooncake_master",
+                  30)
         return self
 
     def health(self) -> dict:
         """The admin /health answer ({} when the master does not answer)."""
         try:
-            with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/health",
+            with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/health",
                                         timeout=1) as r:
                 return json.loads(r.read())
         except (urllib.error.URLError, OSError, ValueError):
@@ -136,7 +139,11 @@ class HaCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        return {CLUSTER_ID_ENV: self.cluster_id}
+        """For a store node or plain client of this group: its cluster id, and the RPC bounds
+        the connector sets for itself (Mooncake's 30 s default kept a store node on a
+        partitioned leader for 30 s before it remounted on the new one)."""
+        return {CLUSTER_ID_ENV: self.cluster_id, RPC_TIMEOUT_ENV: "5000",
+                RPC_CONNECT_TIMEOUT_ENV: "1000"}
 
     def metrics_text(self) -> str:
         return self.leader().metrics_text()

@@ -48,14 +48,15 @@ class MooncakeMaster:
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mooncake-master-"))
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
+    host: str = HOST  # the address it binds and advertises
 
     @property
     def address(self) -> str:
-        return f"{HOST}:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def metadata_server(self) -> str:
-        return f"http://{HOST}:{self.http_port}/metadata"
+        return f"http://{self.host}:{self.http_port}/metadata"
 
     def command(self) -> list[str]:
         return [
@@ -78,7 +79,7 @@ class MooncakeMaster:
         return self
 
     def metrics_text(self) -> str:
-        url = f"http://{HOST}:{self.metrics_port}/metrics"
+        url = f"http://{self.host}:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.read().decode()
 

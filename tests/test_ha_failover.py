@@ -16,7 +16,8 @@ import pytest
 
 from connector.config import CLUSTER_ID_ENV, ConfigError, load_config
 from connector.store import StoreUnavailable, check_reachable
-from devkit.ha_cluster import HaCluster
+from devkit import netns
+from devkit.ha_cluster import Etcd, HaCluster, HaMaster
 from devkit.ha_timeline import measure_failover
 from devkit.local_cluster import _wait_segment_mounted
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
@@ -85,6 +86,18 @@ def test_wrong_cluster_id_fails_fast_naming_it(ha_cluster, monkeypatch):
         check_reachable(cfg.store, timeout=1.0)
     assert time.monotonic() - t0 < 5
     assert "cluster id 'not-this-one'" in str(e.value) and "cluster_id" in str(e.value)
+
+
+def test_dashboard_ha_families_exist_on_live_masters(ha_cluster):
+    """Every master family the HA row and alerts use, on both the leader and the standby."""
+    from dashboards.promql import MASTER_HA
+
+    for m in (ha_cluster.leader(), ha_cluster.standby()):
+        names = {line.split()[0].split("{")[0] for line in m.metrics_text().splitlines()
+                 if line and not line.startswith("#")}
+        assert set(MASTER_HA) <= names, sorted(set(MASTER_HA) - names)
+    assert "ha_standby_state 3" in ha_cluster.standby().metrics_text()
+    assert "ha_standby_state 0" in ha_cluster.leader().metrics_text()
 
 
 def test_failover_timeline_at_the_client(ha_cluster, monkeypatch):
@@ -200,3 +213,78 @@ def test_standby_killed_serving_unaffected(ha_server, ha_cluster):
     assert metric_sum(m1, P + "master_down_seconds_total") == \
         metric_sum(m0, P + "master_down_seconds_total")
     ha_cluster.restart(standby)
+
+
+# ---- a partitioned leader, in private network namespaces -----------------------------------
+@pytest.fixture(scope="module")
+def partition_net():
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    net = netns.Netns(["core", "m1", "m2"]).create()
+    yield net
+    net.remove()
+
+
+@pytest.fixture(scope="module")
+def partition_cluster(partition_net):
+    """The HA group with each master in its own namespace, etcd and the store node in "core",
+    all joined by a bridge; the engine runs in "core" too."""
+    net = partition_net
+    etcd = Etcd(host=net.address("core"))
+    masters = [HaMaster(host=net.address(m), wrap=("ip", "netns", "exec", net.ns(m)),
+                        etcd_endpoints=etcd.endpoint, cluster_id="partition")
+               for m in ("m1", "m2")]
+    cluster = HaCluster(cluster_id="partition", etcd=etcd, masters=masters,
+                        segment_size="256MB")
+    net.run("core", cluster.start)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def partition_server(tiny_model, partition_net, partition_cluster, reference_outputs):
+    server = VllmServer(tiny_model, connector_kv_config(partition_cluster.store_config(
+        global_segment_size=0, local_buffer_size="64MB", cache_prefix="partition",
+        load_threads=4, lookup_timeout_s=1.0, store_timeout_s=2.0)))
+    partition_net.run("core", server.start)
+    yield server
+    server.stop()
+
+
+def test_leader_partitioned_during_store_hit_burst(partition_net, partition_cluster,
+                                                   partition_server, prompts,
+                                                   reference_outputs):
+    """The leader stays alive but its packets vanish (no RST): a store call in flight to it
+    waits for its RPC timeout (store_timeout_s, exported as MC_RPC_TIMEOUT_MS; Mooncake's own
+    default is 30 s), later jobs fail fast, and the cache is back once the standby serves."""
+    net, cluster, server = partition_net, partition_cluster, partition_server
+
+    def body() -> None:
+        assert [server.complete(p) for p in prompts] == reference_outputs
+        time.sleep(1.5)
+        hits_before, _, _ = store_hits(server, prompts)
+        server.reset_prefix_cache()
+        old = cluster.leader()
+        member = "m1" if old is cluster.masters[0] else "m2"
+        outputs, after, _ = staggered_burst(server, prompts * 2,
+                                            lambda: net.partition(member))
+        print(f"burst: last response {after:.2f}s after the partition")
+        assert outputs == reference_outputs * 2
+        assert 0 < after < 2.0 + 5.0, f"the burst waited {after:.1f}s for the partition"
+        cluster.wait_serving(60, exclude=old)
+        t = time.monotonic()
+        _wait_segment_mounted(cluster, 60)
+        print(f"store node remounted {time.monotonic() - t:.1f}s after the new leader served")
+        deadline = time.monotonic() + 30
+        while True:
+            hits_after, saved, outputs = store_hits(server, prompts)
+            if hits_after >= 0.9 * hits_before or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        assert outputs == reference_outputs
+        assert hits_after >= 0.9 * hits_before and saved == 0
+        net.heal(member)  # the old leader rejoins as a standby
+        cluster.wait_following(old, 60)
+
+    net.run("core", body)
