@@ -83,7 +83,7 @@ def cluster_id(cfg: StoreConfig) -> str:
     return os.environ.get(CLUSTER_ID_ENV) or cfg.cluster_id or DEFAULT_CLUSTER_ID
 
 
-def _etcd_leader(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
+def etcd_leader(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     """(the leader an HA group publishes in etcd, "" while none; why it cannot be read)."""
     ep, err = _probe_any(etcd_endpoints(cfg.master_server_address, "master_server_address"),
                          timeout)
@@ -103,7 +103,7 @@ def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     """(the master that should serve this client: the configured one or the HA leader; why it
     cannot, or None). Cheap: TCP connects and one etcd read, never a store call."""
     if cfg.ha:
-        leader, problem = _etcd_leader(cfg, timeout)
+        leader, problem = etcd_leader(cfg, timeout)
         if problem:
             return "", problem
         if not leader:

@@ -18,7 +18,7 @@ from connector.config import CLUSTER_ID_ENV, ConfigError, load_config
 from connector.store import StoreUnavailable, check_reachable
 from devkit import netns
 from devkit.ha_cluster import Etcd, HaCluster, HaMaster
-from devkit.ha_timeline import measure_failover
+from devkit.ha_timeline import measure_failover, record
 from devkit.local_cluster import _wait_segment_mounted
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.test_faults import prompts as random_prompts
@@ -152,6 +152,23 @@ def staggered_burst(server: VllmServer, work: list[list[int]], fault, at: float 
     return outputs, done - marks["fault"], marks["fault"] - marks["start"]
 
 
+def hits_after_failover(cluster: HaCluster, server: VllmServer, old: HaMaster,
+                        work: list[list[int]], hits_before: float) -> tuple[HaMaster, tuple]:
+    """Wait for the new leader and the store node's remount on it, then `store_hits(work)`,
+    retried through the -703/-200 window right after the promotion until it reaches 90 % of
+    `hits_before` (or 30 s pass). Returns (new leader, store_hits result)."""
+    new = cluster.wait_serving(60, exclude=old)
+    t = time.monotonic()
+    _wait_segment_mounted(cluster, 60)
+    print(f"store node remounted {time.monotonic() - t:.1f}s after the new leader served")
+    deadline = time.monotonic() + 30
+    while True:
+        result = store_hits(server, work)
+        if result[0] >= 0.9 * hits_before or time.monotonic() > deadline:
+            return new, result
+        time.sleep(1.0)
+
+
 def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts,
                                               reference_outputs):
     server = ha_server
@@ -171,14 +188,8 @@ def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts,
     assert after_kill > 0, "the burst finished before the kill: nothing was tested"
     assert after_kill < 5.0, f"the burst waited {after_kill:.1f}s for the failover"
 
-    new = ha_cluster.wait_serving(60, exclude=leader)
-    _wait_segment_mounted(ha_cluster)  # the store node remounted on the new leader
-    deadline = time.monotonic() + 30  # the -703/-200 window right after the promotion
-    while True:
-        hits_after, saved, outputs = store_hits(server, prompts)
-        if hits_after >= 0.9 * hits_before or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
+    new, (hits_after, saved, outputs) = hits_after_failover(ha_cluster, server, leader,
+                                                           prompts, hits_before)
     assert outputs == reference_outputs
     print(f"store hits: {hits_after:.0f} prompt tokens after the failover, "
           f"{hits_before:.0f} before")
@@ -192,6 +203,14 @@ def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts,
     assert metric_sum(m1, P + "failures_total", code="-900") > \
         metric_sum(m0, P + "failures_total", code="-900")
     wait_for_cache(server, 1300)  # new prefixes are saved and hit
+    record("serve_leader_kill", {
+        "what": "vllm serve + connector, 12 store-hit requests, HA leader SIGKILLed mid-burst",
+        "requests": len(work), "failed_requests": 0, "outputs_identical": True,
+        "burst_done_after_kill_s": round(after_kill, 2),
+        "store_hit_tokens_before": hits_before, "store_hit_tokens_after": hits_after,
+        "cache_survival": round(hits_after / hits_before, 3),
+        "master_down_s": round(metric_sum(m1, P + "master_down_seconds_total")
+                               - metric_sum(m0, P + "master_down_seconds_total"), 2)})
     ha_cluster.restart(leader)  # back to two masters, the old leader now the standby
     assert ha_cluster.leader() is new
 
@@ -272,18 +291,14 @@ def test_leader_partitioned_during_store_hit_burst(partition_net, partition_clus
         print(f"burst: last response {after:.2f}s after the partition")
         assert outputs == reference_outputs * 2
         assert 0 < after < 2.0 + 5.0, f"the burst waited {after:.1f}s for the partition"
-        cluster.wait_serving(60, exclude=old)
-        t = time.monotonic()
-        _wait_segment_mounted(cluster, 60)
-        print(f"store node remounted {time.monotonic() - t:.1f}s after the new leader served")
-        deadline = time.monotonic() + 30
-        while True:
-            hits_after, saved, outputs = store_hits(server, prompts)
-            if hits_after >= 0.9 * hits_before or time.monotonic() > deadline:
-                break
-            time.sleep(1.0)
+        _, (hits_after, saved, outputs) = hits_after_failover(cluster, server, old, prompts,
+                                                              hits_before)
         assert outputs == reference_outputs
         assert hits_after >= 0.9 * hits_before and saved == 0
+        record("serve_leader_partition", {
+            "what": "as serve_leader_kill, but the leader's link is cut (network namespaces); "
+                    "store_timeout_s=2", "burst_done_after_partition_s": round(after, 2),
+            "cache_survival": round(hits_after / hits_before, 3)})
         net.heal(member)  # the old leader rejoins as a standby
         cluster.wait_following(old, 60)
 
