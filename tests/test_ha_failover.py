@@ -100,6 +100,30 @@ def test_dashboard_ha_families_exist_on_live_masters(ha_cluster):
     assert "ha_standby_state 0" in ha_cluster.leader().metrics_text()
 
 
+def test_prometheus_scrapes_both_masters(ha_cluster):
+    """A real Prometheus scraping both masters: the HA row reads one leader and one following
+    standby, every HA panel target returns data, and the HA alerts are quiet."""
+    import yaml
+
+    from dashboards.generate import master_ha_row
+    from dashboards.local_prometheus import LocalPrometheus
+    from dashboards.promql import ROOT, substitute
+
+    targets = [f"{m.host}:{m.metrics_port}" for m in ha_cluster.masters]
+    with LocalPrometheus({"mooncake-master": targets}) as prom:
+        prom.wait_for_targets()
+        time.sleep(4)  # a few scrapes, for the rate and deriv windows
+        leader, standby = (prom.query(f"count(ha_standby_state == {s})") for s in (0, 3))
+        assert [r["value"][1] for r in leader + standby] == ["1", "1"]
+        for panel in master_ha_row().panels:
+            for expr, legend in panel.targets:
+                if "mooncake_pool" not in expr:  # engine series: tests above, with an engine
+                    assert prom.query(substitute(expr, "5s")), f"{panel.title}: {legend}"
+        groups = yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())["groups"]
+        for rule in next(g for g in groups if g["name"] == "mooncake-master-ha")["rules"]:
+            assert prom.query(rule["expr"]) == [], rule["alert"]
+
+
 def test_failover_timeline_at_the_client(ha_cluster, monkeypatch):
     """The breaker opens on the first -900, closes once the new leader serves, and every
     object stored before the kill is readable, byte for byte, afterwards."""
