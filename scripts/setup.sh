@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 
 need_apt=()
-for pkg in libibverbs1 librdmacm1 libnuma1 prometheus etcd-server; do
+for pkg in libibverbs1 librdmacm1 libnuma1 prometheus etcd-server iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

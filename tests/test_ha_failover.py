@@ -8,7 +8,6 @@ changes nothing. One HA group and one engine serve the whole module.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -150,30 +149,25 @@ def store_hits(server: VllmServer, work: list[list[int]]) -> tuple[float, float,
             outputs)
 
 
-def staggered_burst(server: VllmServer, work: list[list[int]], fault, at: float = 0.15,
+def staggered_burst(server: VllmServer, work: list[list[int]], fault, at: int = 3,
                     gap: float = 0.04) -> tuple[list, float, float]:
-    """Send `work` concurrently, one request every `gap` s, with `fault()` `at` s in, so that
-    requests are in flight on both sides of the fault. Returns (outputs, seconds from the
-    fault to the last response, seconds from the first request to the fault)."""
+    """Send `work` concurrently, one request every `gap` s; request `at` runs `fault()` just
+    before it is sent, so requests are in flight on both sides of the fault. Returns (outputs,
+    seconds from the fault to the last response, seconds from the first request to the
+    fault)."""
     marks: dict[str, float] = {}
-
-    def inject() -> None:
-        time.sleep(at)
-        fault()
-        marks["fault"] = time.monotonic()
 
     def send(i: int) -> list[int]:
         time.sleep(i * gap)
+        if i == at:
+            fault()
+            marks["fault"] = time.monotonic()
         return server.complete(work[i])
 
-    injector = threading.Thread(target=inject)
     with ThreadPoolExecutor(len(work)) as pool:
         marks["start"] = time.monotonic()
-        injector.start()
         outputs = list(pool.map(send, range(len(work))))
-    done = time.monotonic()
-    injector.join()
-    return outputs, done - marks["fault"], marks["fault"] - marks["start"]
+    return outputs, time.monotonic() - marks["fault"], marks["fault"] - marks["start"]
 
 
 def hits_after_failover(cluster: HaCluster, server: VllmServer, old: HaMaster,
