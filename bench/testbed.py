@@ -15,7 +15,7 @@ import torch
 
 from bench.proxy import DelayProxy
 from bench.workloads import Geometry, block_hashes
-from connector.keys import KeyBuilder, Layout
+from connector.keys import KeyBuilder, Layout, kv_signature
 
 PREFIX = "bench"
 INTREE_MODEL = "bench-model"
@@ -24,10 +24,12 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def our_keys(geometry: Geometry, prefix: str = PREFIX) -> KeyBuilder:
+    """The keys our worker uses for these caches (signed with their registered layout)."""
     layout = Layout(INTREE_MODEL, str(geometry.dtype).removeprefix("torch."),
                     geometry.block_tokens, geometry.kv_heads, geometry.head_size,
                     geometry.layers, 1)
-    return KeyBuilder(prefix, layout)
+    return KeyBuilder(prefix, layout).with_signature(
+        kv_signature(geometry.make_caches("meta"), geometry.num_blocks))
 
 
 def intree_key_prefix() -> str:

@@ -49,9 +49,11 @@ class Geometry:
     def label(self) -> str:
         return f"{self.layers}x{self.region_bytes // 1024}KiB"
 
-    def make_caches(self) -> dict[str, torch.Tensor]:
+    def make_caches(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The KV caches (device "meta": shapes and strides only, for the key signature)."""
         shape = (self.num_blocks, self.kv_heads, self.block_tokens, 2 * self.head_size)
-        return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=self.dtype)
+        return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=self.dtype,
+                                                                device=device)
                 for i in range(self.layers)}
 
     @classmethod

@@ -125,7 +125,7 @@ class HillClimber:
     def _judge_probe(self, w: Window) -> int:
         previous = self._probe
         self._probe_samples.append(w.gbps)
-        gain = median(self._probe_samples) / median(self._baseline)
+        gain = _ratio(median(self._probe_samples), median(self._baseline))
         # A clear loss (below CLEAR_LOSS, so judged lost below) ends the probe at once:
         # reverting is the safe side, so one window may decide it, and probing a worse
         # setting costs two windows instead of four.
@@ -154,17 +154,27 @@ class HillClimber:
         return max(1, min(self.maximum, n))
 
 
+def _ratio(probe: float, baseline: float) -> float:
+    """probe / baseline; windows that moved no bytes compare as equal (no division by 0)."""
+    if baseline > 0:
+        return probe / baseline
+    return float("inf") if probe > 0 else 1.0
+
+
 class ThreadTuner:
     """Subscriber + tuner thread that applies `HillClimber` to a receive pool."""
 
     def __init__(self, threads: int, set_active: Callable[[int], None],
-                 start: int = 1, window_s: float = WINDOW_S) -> None:
+                 start: int = 1, window_s: float = WINDOW_S,
+                 on_error: Callable[[], None] | None = None) -> None:
         self._climber = HillClimber(start, threads)
         self._set_active = set_active
         self._window_s = window_s
         # Per receive thread: [jobs, bytes, queue wait s, service s], written by that thread only.
         self._slots = [[0, 0, 0.0, 0.0] for _ in range(threads)]
         self._last = [0, 0, 0.0, 0.0]
+        self.errors = 0  # windows the tuner failed to judge (logged; tuning goes on)
+        self._on_error = on_error
         set_active(self._climber.active)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mcpool-autotune", daemon=True)
@@ -188,15 +198,24 @@ class ThreadTuner:
 
     def _run(self) -> None:
         while not self._stop.wait(self._window_s):
-            now = self._totals()
-            d = [a - b for a, b in zip(now, self._last, strict=True)]
-            self._last = now
-            before = self._climber.active
-            after = self._climber.step(Window(int(d[0]), int(d[1]), d[2], d[3], before,
-                                              self._window_s))
-            if after != before:
-                self._set_active(after)
-                logger.debug("auto load threads: %d -> %d", before, after)
+            try:
+                self._tick()
+            except Exception:  # never let one bad window end tuning silently
+                self.errors += 1
+                logger.exception("auto load threads: window skipped after an error")
+                if self._on_error is not None:
+                    self._on_error()
+
+    def _tick(self) -> None:
+        now = self._totals()
+        d = [a - b for a, b in zip(now, self._last, strict=True)]
+        self._last = now
+        before = self._climber.active
+        after = self._climber.step(Window(int(d[0]), int(d[1]), d[2], d[3], before,
+                                          self._window_s))
+        if after != before:
+            self._set_active(after)
+            logger.debug("auto load threads: %d -> %d", before, after)
 
     def shutdown(self) -> None:
         self._stop.set()

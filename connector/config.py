@@ -1,10 +1,15 @@
 """Connector configuration: one validated, frozen object built once at startup.
 
+Every key is declared once, in `KEYS` (name, type, bounds, default, doc, environment
+variable), as `metric_catalog` declares the metrics: the parser, the README table
+(`python -m connector.config`) and the Helm schema test all read it, so a key cannot drift
+between them. Importable without vLLM.
+
 Sources, highest priority first:
-  1. ``kv_connector_extra_config`` keys (see ``EXTRA_KEYS``);
+  1. ``kv_connector_extra_config`` keys;
   2. the JSON file named by ``MOONCAKE_CONFIG_PATH`` (the same fields as vLLM's in-tree
      Mooncake store connector), for the Mooncake fields only;
-  3. ``VLLM_MOONCAKE_LOAD_RECV_THREADS`` for the receive-pool size (default 1, as in vLLM).
+  3. a key's environment variable, where it has one.
 
 Every problem raises ``ConfigError`` with a message that names the field and says how to fix it,
 so a bad deployment fails at startup with one readable line instead of a hang or a bare trace.
@@ -15,60 +20,177 @@ from __future__ import annotations
 import json
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.docsync import sync_block
+
 RECV_THREADS_ENV = "VLLM_MOONCAKE_LOAD_RECV_THREADS"
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+EXTRA = "kv_connector_extra_config"
 MAX_RECV_THREADS = 64
-DEFAULT_AUTO_MAX = 8
-PROTOCOLS = ("tcp", "rdma")
-ON_MASTER_UNREACHABLE = ("fail", "degrade")
-STAGING_MODES = ("auto", "on", "off")
 ETCD_SCHEME = "etcd://"
 # The Mooncake client reads the HA cluster id from this variable (default "mooncake_cluster",
 # as the masters' --cluster_id); the connector exports cluster_id there when it is unset.
 CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-# The Mooncake fields: accepted in extra_config and in the MOONCAKE_CONFIG_PATH file.
-MOONCAKE_KEYS = (
-    "metadata_server",
-    "master_server_address",
-    "protocol",
-    "device_name",
-    "local_hostname",
-    "global_segment_size",
-    "local_buffer_size",
-    "cluster_id",
-)
-# Connector-only keys, accepted in extra_config.
-CONNECTOR_KEYS = (
-    "load_threads",
-    "load_threads_max",
-    "load_split_blocks",
-    "staging",
-    "staging_buffer_size",
-    "cache_prefix",
-    "model_id",
-    "lookup_timeout_s",
-    "lookup_wait_ms",
-    "enable_save",
-    "enable_load",
-    "save_decode_tokens",
-    "master_lookup_sample_ratio",
-    "trace_sample_ratio",
-    "on_master_unreachable",
-    "store_timeout_s",
-)
-EXTRA_KEYS = MOONCAKE_KEYS + CONNECTOR_KEYS
-
 
 class ConfigError(ValueError):
     """A connector setting is missing or invalid; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key. `kind`: size, int, float, bool, text or choice."""
+
+    name: str
+    kind: str
+    default: Any  # None: required, or derived when unset (see `shown`)
+    doc: str
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+    env: str = ""  # read when the key is set nowhere else
+    mooncake: bool = False  # also accepted in the MOONCAKE_CONFIG_PATH file (in-tree field)
+    fix: str = ""  # how to fix an out-of-range value
+    shown: str = ""  # the default as the README shows it, when it is not a plain value
+
+    def parse(self, value: Any, name: str) -> Any:
+        """The validated value; errors name the field as `name` (where it was set)."""
+        if self.kind == "size":
+            size = parse_size(value, name)
+            if self.hi is not None and not self.lo <= size <= self.hi:
+                raise ConfigError(f"{name}: must be {self.lo:.0f} bytes..{self.hi / 2**20:.0f}MB,"
+                                  f" got {value!r} ({size} bytes)")
+            return size
+        if self.kind == "int":
+            return _int_in_range(value, name, int(self.lo), int(self.hi), self.fix)
+        if self.kind == "float":
+            return _number(value, name, self.lo, self.hi)
+        if self.kind == "bool":
+            return _bool(value, name)
+        text = _text(value, name, allow_empty=self.default == "")
+        if self.kind == "choice":
+            text = text.lower()
+            if text not in self.choices:
+                raise ConfigError(f"{name}: {value!r}; use one of {self.choices}: {self.fix}")
+        return text
+
+
+_PAY = "a thread is added only if it pays 5 %; see connector/autotune.py"
+KEYS: tuple[Key, ...] = (
+    # Mooncake fields: extra_config or the MOONCAKE_CONFIG_PATH file.
+    Key("master_server_address", "text", None, "Mooncake master RPC `host:port`, or "
+        "`etcd://h1:2379[,h2:2379]` for an HA master group (see Reliability)", mooncake=True),
+    Key("metadata_server", "text", None,
+        "e.g. `http://master:8080/metadata` (the master's HTTP metadata server), or "
+        "`etcd://h1:2379[,h2:2379]`", mooncake=True),
+    Key("cluster_id", "text", "", "HA only: the masters' `--cluster_id`; exported as "
+        f"`{CLUSTER_ID_ENV}` (which the Mooncake client reads) when that is unset, an error "
+        "when it is set to another value", env=CLUSTER_ID_ENV, mooncake=True,
+        shown=f"env `{CLUSTER_ID_ENV}`, else Mooncake's `mooncake_cluster`"),
+    Key("protocol", "choice", "tcp", "`tcp` or `rdma`", choices=("tcp", "rdma"),
+        mooncake=True, fix="rdma needs device_name"),
+    Key("device_name", "text", "", "RDMA device(s), required for `rdma`", mooncake=True),
+    Key("local_hostname", "text", "127.0.0.1", "address other nodes reach this one at",
+        env="MOONCAKE_LOCAL_HOSTNAME", mooncake=True),
+    Key("global_segment_size", "size", 4 * 2**30,
+        "bytes this engine adds to the pool; `0` when store nodes hold the data (blocks then "
+        "survive engine restarts)", mooncake=True, shown="`4GB`"),
+    Key("local_buffer_size", "size", 512 * 2**20, "client transfer buffer", mooncake=True,
+        shown="`512MB`"),
+    Key("replica_num", "int", 1,
+        "in-tree field: replicas of each stored block (Mooncake `ReplicateConfig` on every put)",
+        lo=1, hi=16, mooncake=True, fix="replicas per stored block; 1 keeps one copy"),
+    Key("transfer_timeout", "float", None,
+        "in-tree field, seconds: Mooncake's own call timeouts (`MC_TCP_STATUS_TIMEOUT_SEC`, "
+        "`MC_TRANSFER_TIMEOUT`, `MC_RPC_TIMEOUT_MS`) unless the environment sets them; the only "
+        "bound on zero-copy transfers", lo=0.1, hi=3600, mooncake=True,
+        shown="Mooncake's (30 s)"),
+    # Connector keys: extra_config only.
+    Key("load_threads", "int", 1,
+        "receive threads, 1..64, or `auto`: the connector adapts the number of active threads "
+        "online, starting from 1 (hill climbing on load throughput while jobs queue up: "
+        f"{_PAY}), shown as `vllm:mooncake_pool_recv_threads_active`", lo=1,
+        hi=MAX_RECV_THREADS, env=RECV_THREADS_ENV,
+        fix=f"set {RECV_THREADS_ENV} or extra_config load_threads to 1..{MAX_RECV_THREADS} "
+            "or auto", shown=f"env `{RECV_THREADS_ENV}`, else 1"),
+    Key("load_threads_max", "int", 8, "with `auto`: the most threads it may use (the pool's "
+        "size)", lo=1, hi=MAX_RECV_THREADS, fix="the most threads load_threads: auto may use"),
+    Key("load_split_blocks", "int", 0,
+        "split a request's load into jobs of at most this many blocks, so one long prompt "
+        "spreads over the receive threads (0: one job per request)", lo=0, hi=1 << 20,
+        fix="0 keeps each request in one job"),
+    Key("staging", "choice", "auto",
+        "`on`: each block moves as one contiguous buffer through a per-thread staging buffer "
+        "and torch copies place its regions; `off`: multi-buffer transfers straight into the "
+        "KV regions; `auto`: `on` for KV caches in host memory over `tcp` with several "
+        "regions per block (see `docs/benchmark.md`), `off` on GPUs and RDMA",
+        choices=("auto", "on", "off"),
+        fix="'auto' (staged copies for host-memory KV caches over tcp), 'on' or 'off' "
+            "(multi-buffer transfers)"),
+    Key("staging_buffer_size", "size", 16 * 2**20,
+        "staging buffer per receive thread (and one for saves), 4 KiB..1 GiB; a job larger than "
+        "it is moved in several calls", lo=4096, hi=2**30, shown="`16MB`"),
+    Key("cache_prefix", "text", "mcpool",
+        "key namespace; engines share blocks only within one prefix"),
+    Key("model_id", "text", "", "model identity in the key fingerprint",
+        shown="model path + revision"),
+    Key("lookup_timeout_s", "float", 2.0, "a scheduler lookup slower than this is a miss",
+        lo=0.001, hi=600),
+    Key("lookup_wait_ms", "float", 5.0,
+        "budget per engine step for waiting on lookups, shared by every waiting request "
+        "(lookups start when a request arrives; one not done is asked again next step)",
+        lo=0, hi=10_000),
+    Key("enable_save", "bool", True, "store new full blocks"),
+    Key("enable_load", "bool", True, "load prefixes from the store"),
+    Key("save_decode_tokens", "bool", False, "also store blocks filled by generated tokens"),
+    Key("master_lookup_sample_ratio", "float", 0.1,
+        "share of load jobs whose master lookup is timed separately, besides each thread's "
+        "first job and one every 5 s (see Observability)",
+        lo=0, hi=1),
+    Key("trace_sample_ratio", "float", None, "share of jobs traced "
+        "(`parentbased_traceidratio`); overrides the OTel sampler variables", lo=0, hi=1,
+        shown="from `OTEL_TRACES_SAMPLER[_ARG]`, else 0.05"),
+    Key("on_master_unreachable", "choice", "fail",
+        "`fail`: refuse to start; `degrade`: serve without the cache and reconnect in the "
+        "background", choices=("fail", "degrade"),
+        fix="'fail' (refuse to start) or 'degrade' (serve without the cache and reconnect in "
+            "the background)"),
+    Key("store_timeout_s", "float", 5.0, "connect timeout when probing the master at startup",
+        lo=0.1, hi=600),
+    Key("load_timeout_s", "float", 5.0,
+        "deadline of a load job (queued or running); past it its blocks are load errors and "
+        "vLLM recomputes them", lo=0.1, hi=3600),
+    Key("save_timeout_s", "float", 30.0,
+        "deadline of a save job; past it the request's blocks are released and the save is "
+        "abandoned", lo=0.1, hi=3600),
+)
+BY_NAME = {k.name: k for k in KEYS}
+MOONCAKE_KEYS = tuple(k.name for k in KEYS if k.mooncake)
+CONNECTOR_KEYS = tuple(k.name for k in KEYS if not k.mooncake)
+EXTRA_KEYS = MOONCAKE_KEYS + CONNECTOR_KEYS
+# In-tree fields with no meaning here: rejected, saying why and what to use instead.
+REJECTED_KEYS = {
+    "mode": "set global_segment_size: 0 for engines whose blocks live on standalone store "
+            "nodes (mooncake_client), or a size to let the engine hold blocks itself",
+    "enable_offload": "disk offload is not supported by this connector; remove it",
+    "tenant_id": "use cache_prefix, which namespaces this connector's keys per deployment or "
+                 "tenant",
+}
+
+
+def _d(name: str) -> Any:
+    """A key's declared default, for the dataclass fields below."""
+    return BY_NAME[name].default
+
+
+# A number and an optional unit: B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all powers of
+# 1024, as Mooncake reads them). "4IB" or "4KI" are errors, not 4 bytes.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|[KMGT](?:B|IB)?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def parse_size(value: Any, field_name: str) -> int:
@@ -82,7 +204,7 @@ def parse_size(value: Any, field_name: str) -> int:
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m:
-            unit = (m.group(2) or "").upper().replace("I", "").replace("B", "") or ""
+            unit = (m.group(2) or "").upper()[:1].replace("B", "")
             return int(float(m.group(1)) * _SIZE_UNITS[unit])
     raise ConfigError(
         f"{field_name}: cannot parse size {value!r}; use bytes (536870912) or a unit "
@@ -128,16 +250,16 @@ class StoreConfig:
 
     metadata_server: str
     master_server_address: str
-    protocol: str = "tcp"
-    device_name: str = ""
-    local_hostname: str = "127.0.0.1"
-    # Bytes this process adds to the distributed pool. 0 = a pure client whose blocks live
-    # on store nodes; then stored blocks outlive engine restarts.
-    global_segment_size: int = 4 * 2**30
-    local_buffer_size: int = 512 * 2**20
+    protocol: str = _d("protocol")
+    device_name: str = _d("device_name")
+    local_hostname: str = _d("local_hostname")
+    global_segment_size: int = _d("global_segment_size")
+    local_buffer_size: int = _d("local_buffer_size")
+    replica_num: int = _d("replica_num")
+    transfer_timeout: float | None = _d("transfer_timeout")
     # HA master group (master_server_address etcd://...): the masters' --cluster_id, or ""
     # for Mooncake's default. Exported as MC_STORE_CLUSTER_ID before the client is set up.
-    cluster_id: str = ""
+    cluster_id: str = _d("cluster_id")
 
     @property
     def ha(self) -> bool:
@@ -149,24 +271,24 @@ class ConnectorConfig:
     """Everything the connector needs, validated."""
 
     store: StoreConfig
-    load_threads: int = 1  # receive threads in the pool (with auto: the maximum)
+    load_threads: int = _d("load_threads")  # receive threads (with auto: the maximum)
     load_threads_auto: bool = False  # adapt the active count online (connector/autotune.py)
-    load_split_blocks: int = 0
-    # Move blocks through a contiguous per-thread buffer (see connector/staging.py):
-    # auto = for KV caches in host memory over TCP.
-    staging: str = "auto"
-    staging_buffer_size: int = 16 * 2**20
-    cache_prefix: str = "mcpool"
-    model_id: str = ""
-    lookup_timeout_s: float = 2.0
-    lookup_wait_ms: float = 5.0
-    enable_save: bool = True
-    enable_load: bool = True
-    save_decode_tokens: bool = False
-    master_lookup_sample_ratio: float = 0.1
-    trace_sample_ratio: float | None = None
-    on_master_unreachable: str = "fail"
-    store_timeout_s: float = 5.0
+    load_split_blocks: int = _d("load_split_blocks")
+    staging: str = _d("staging")
+    staging_buffer_size: int = _d("staging_buffer_size")
+    cache_prefix: str = _d("cache_prefix")
+    model_id: str = _d("model_id")
+    lookup_timeout_s: float = _d("lookup_timeout_s")
+    lookup_wait_ms: float = _d("lookup_wait_ms")
+    enable_save: bool = _d("enable_save")
+    enable_load: bool = _d("enable_load")
+    save_decode_tokens: bool = _d("save_decode_tokens")
+    master_lookup_sample_ratio: float = _d("master_lookup_sample_ratio")
+    trace_sample_ratio: float | None = _d("trace_sample_ratio")
+    on_master_unreachable: str = _d("on_master_unreachable")
+    store_timeout_s: float = _d("store_timeout_s")
+    load_timeout_s: float = _d("load_timeout_s")
+    save_timeout_s: float = _d("save_timeout_s")
     source: dict[str, str] = field(default_factory=dict, compare=False)
 
 
@@ -177,7 +299,7 @@ def _load_config_file(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(
             f"{CONFIG_PATH_ENV}: file {path!r} does not exist; point it at a Mooncake JSON "
-            "config or set the fields in kv_connector_extra_config"
+            f"config or set the fields in {EXTRA}"
         ) from None
     except json.JSONDecodeError as e:
         raise ConfigError(
@@ -188,7 +310,8 @@ def _load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{CONFIG_PATH_ENV}: cannot read {path!r}: {e.strerror}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{CONFIG_PATH_ENV}: {path!r} must hold a JSON object")
-    unknown = sorted(set(data) - set(MOONCAKE_KEYS) - {"transfer_timeout", "replica_num"})
+    _reject_in_tree(data, f"{CONFIG_PATH_ENV} ({path})")
+    unknown = sorted(set(data) - set(MOONCAKE_KEYS))
     if unknown:
         raise ConfigError(
             f"{CONFIG_PATH_ENV}: unknown field(s) {unknown} in {path!r}; "
@@ -197,35 +320,48 @@ def _load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-_HOST_PORT = re.compile(r"^[^:\s,;/]+:\d{1,5}$")
+def _reject_in_tree(data: Mapping[str, Any], where: str) -> None:
+    for key in data:
+        if key in REJECTED_KEYS:
+            raise ConfigError(f"{where}: {key} is not used by this connector; "
+                              f"{REJECTED_KEYS[key]}")
+
+
+def _host_port(value: str, field_name: str) -> str:
+    m = re.match(r"^[^:\s]+:(\d{1,5})$", value)
+    if not m or not 1 <= int(m.group(1)) <= 65535:
+        raise ConfigError(f"{field_name}: expected host:port with a port 1..65535, "
+                          f"got {value!r}")
+    return value
 
 
 def etcd_endpoints(url: str, field_name: str) -> list[str]:
     """The host:port list of an ``etcd://h1:p1[,h2:p2]`` address (`;` separates too, as in
     the masters' --etcd_endpoints)."""
     eps = [e.strip() for e in re.split(r"[,;]", url[len(ETCD_SCHEME):])]
-    if not eps or not all(_HOST_PORT.match(e) for e in eps):
+    if not all(re.match(r"^[^:\s,;/]+:\d{1,5}$", e) for e in eps):
         raise ConfigError(f"{field_name}: expected etcd://host:port[,host:port] (the etcd "
                           f"endpoints of the HA masters), got {url!r}")
     return eps
 
 
-def _master_address(value: Any, field_name: str) -> str:
-    master = _text(value, field_name)
-    if master.startswith(ETCD_SCHEME):
-        etcd_endpoints(master, field_name)
-    elif not _HOST_PORT.match(master):
-        raise ConfigError(f"{field_name}: expected host:port (one master) or "
-                          f"etcd://host:port[,host:port] (an HA master group), got {master!r}")
-    return master
+def _master_address(value: str, field_name: str) -> str:
+    if value.startswith(ETCD_SCHEME):
+        etcd_endpoints(value, field_name)
+        return value
+    try:
+        return _host_port(value, field_name)
+    except ConfigError:
+        raise ConfigError(f"{field_name}: expected host:port (one master, port 1..65535) or "
+                          f"etcd://host:port[,host:port] (an HA master group), got {value!r}"
+                          ) from None
 
 
-def _cluster_id(value: Any, field_name: str, master: str, environ: Mapping[str, str]) -> str:
+def _cluster_id(cid: str, field_name: str, master: str, environ: Mapping[str, str]) -> str:
     """The HA cluster id; it must agree with MC_STORE_CLUSTER_ID, which the client reads."""
     env = environ.get(CLUSTER_ID_ENV, "")
-    if value is None:
-        return env if master.startswith(ETCD_SCHEME) else ""
-    cid = _text(value, field_name)
+    if not cid or field_name == CLUSTER_ID_ENV:  # unset, or taken from the variable itself
+        return cid if master.startswith(ETCD_SCHEME) else ""
     if not master.startswith(ETCD_SCHEME):
         raise ConfigError(f"{field_name}: only used with an HA master group; set "
                           "master_server_address to etcd://host:port or remove cluster_id")
@@ -239,126 +375,178 @@ def _cluster_id(value: Any, field_name: str, master: str, environ: Mapping[str, 
     return cid
 
 
+def _metadata_url(value: str, field_name: str) -> str:
+    if value.startswith(ETCD_SCHEME):
+        etcd_endpoints(value, field_name)
+        return value
+    url = urllib.parse.urlparse(value)
+    try:
+        url.port  # noqa: B018 - raises on a port outside 0..65535
+    except ValueError:
+        raise ConfigError(f"{field_name}: port out of range 1..65535 in {value!r}") from None
+    return value
+
+
 def load_config(
     extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
 ) -> ConnectorConfig:
     """Build the connector config from vLLM's extra_config and the environment."""
     environ = os.environ if environ is None else environ
     extra = dict(extra or {})
+    _reject_in_tree(extra, EXTRA)
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
     if unknown:
-        raise ConfigError(
-            f"kv_connector_extra_config: unknown key(s) {unknown}; allowed keys: "
-            f"{list(EXTRA_KEYS)}"
-        )
-    source: dict[str, str] = {}
+        raise ConfigError(f"{EXTRA}: unknown key(s) {unknown}; allowed keys: {list(EXTRA_KEYS)}")
     merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
     path = environ.get(CONFIG_PATH_ENV)
     if path:
         for k, v in _load_config_file(path).items():
             merged[k], source[k] = v, CONFIG_PATH_ENV
     for k, v in extra.items():
-        merged[k], source[k] = v, "kv_connector_extra_config"
-
-    def where(k: str) -> str:
-        return f"{source.get(k, 'kv_connector_extra_config')}.{k}"
-
+        merged[k], source[k] = v, EXTRA
+    for key in KEYS:
+        if key.name not in merged and key.env and key.env in environ:
+            merged[key.name], source[key.name] = environ[key.env], key.env
     for required in ("master_server_address", "metadata_server"):
         if required not in merged:
             raise ConfigError(
-                f"{required}: not set; add it to kv_connector_extra_config or to the JSON "
+                f"{required}: not set; add it to {EXTRA} or to the JSON "
                 f"file named by {CONFIG_PATH_ENV} (e.g. \"master_server_address\": "
                 '"127.0.0.1:50051", "metadata_server": "http://127.0.0.1:8080/metadata")'
             )
-    protocol = _text(merged.get("protocol", "tcp"), where("protocol")).lower()
-    if protocol not in PROTOCOLS:
-        raise ConfigError(
-            f"{where('protocol')}: unknown protocol {merged['protocol']!r}; use one of {PROTOCOLS}"
-        )
-    master = _master_address(merged["master_server_address"], where("master_server_address"))
-    metadata = _text(merged["metadata_server"], where("metadata_server"))
-    if metadata.startswith(ETCD_SCHEME):
-        etcd_endpoints(metadata, where("metadata_server"))
+
+    def where(name: str) -> str:
+        src = source.get(name, EXTRA)
+        return src if src == BY_NAME[name].env else f"{src}.{name}"  # a variable names itself
+
+    def value(name: str) -> Any:
+        """The parsed value of a key, or its default."""
+        key = BY_NAME[name]
+        return key.parse(merged[name], where(name)) if name in merged else key.default
+
     store = StoreConfig(
-        metadata_server=metadata,
-        master_server_address=master,
-        cluster_id=_cluster_id(merged.get("cluster_id"), where("cluster_id"), master, environ),
-        protocol=protocol,
-        device_name=_text(merged.get("device_name", ""), where("device_name"), allow_empty=True),
-        local_hostname=_text(
-            merged.get("local_hostname", environ.get("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")),
-            where("local_hostname"),
-        ),
-        global_segment_size=parse_size(
-            merged.get("global_segment_size", StoreConfig.global_segment_size),
-            where("global_segment_size"),
-        ),
-        local_buffer_size=parse_size(
-            merged.get("local_buffer_size", StoreConfig.local_buffer_size),
-            where("local_buffer_size"),
-        ),
+        metadata_server=_metadata_url(value("metadata_server"), where("metadata_server")),
+        master_server_address=_master_address(value("master_server_address"),
+                                              where("master_server_address")),
+        cluster_id=_cluster_id(value("cluster_id"), where("cluster_id"),
+                               value("master_server_address"), environ),
+        protocol=value("protocol"),
+        device_name=value("device_name"),
+        local_hostname=value("local_hostname"),
+        global_segment_size=value("global_segment_size"),
+        local_buffer_size=value("local_buffer_size"),
+        replica_num=value("replica_num"),
+        transfer_timeout=value("transfer_timeout"),
     )
     if store.protocol == "rdma" and not store.device_name:
         raise ConfigError(
             f"{where('device_name')}: protocol rdma needs an RDMA device (e.g. \"mlx5_0\"); "
             "set device_name or use protocol tcp"
         )
+    threads, auto = _threads(merged, source)
+    parsed = {k.name: value(k.name) for k in KEYS
+              if not k.mooncake and k.name not in ("load_threads", "load_threads_max")}
+    return ConnectorConfig(store=store, load_threads=threads, load_threads_auto=auto,
+                           source=source, **parsed)
 
-    fix_threads = (f"set {RECV_THREADS_ENV} or extra_config load_threads to 1..{MAX_RECV_THREADS}"
-                   " or auto")
-    name, value = (("kv_connector_extra_config.load_threads", extra["load_threads"])
-                   if "load_threads" in extra else (RECV_THREADS_ENV,
-                                                    environ.get(RECV_THREADS_ENV, "1")))
-    auto = isinstance(value, str) and value.strip().lower() == "auto"
+
+def _threads(merged: dict[str, Any], source: dict[str, str]) -> tuple[int, bool]:
+    """load_threads (from extra_config or the environment): a count, or auto with a maximum."""
+    key, raw = BY_NAME["load_threads"], merged.get("load_threads", "1")
+    name = RECV_THREADS_ENV if source.get("load_threads") == RECV_THREADS_ENV \
+        else f"{EXTRA}.load_threads"
+    auto = isinstance(raw, str) and raw.strip().lower() == "auto"
     if auto:
-        threads = _int_in_range(extra.get("load_threads_max", DEFAULT_AUTO_MAX),
-                                "kv_connector_extra_config.load_threads_max", 1,
-                                MAX_RECV_THREADS, "the most threads load_threads: auto may use")
+        return BY_NAME["load_threads_max"].parse(merged.get("load_threads_max", 8),
+                                                 f"{EXTRA}.load_threads_max"), True
+    if "load_threads_max" in merged:
+        raise ConfigError(f"{EXTRA}.load_threads_max: only used with load_threads: auto; "
+                          "remove it or set load_threads to auto")
+    return _int_in_range(raw, name, int(key.lo), int(key.hi), key.fix), False
+
+
+# ---- the README table --------------------------------------------------------------------
+def _shown(key: Key) -> str:
+    if key.shown:
+        return key.shown
+    if key.default is None:
+        return "required"
+    if isinstance(key.default, bool):
+        return str(key.default).lower()
+    if isinstance(key.default, str):
+        return f"`{key.default}`" if key.default else '`""`'
+    return str(key.default)
+
+
+def _range(key: Key) -> str:
+    if key.choices:
+        return " / ".join(f"`{c}`" for c in key.choices)
+    if key.kind == "size":
+        return f"{key.lo:.0f} B..{key.hi / 2**20:.0f} MB" if key.hi is not None else "bytes"
+    if key.lo is None:
+        return ""
+    lo, hi = (int(key.lo), int(key.hi)) if key.kind == "int" else (key.lo, key.hi)
+    return f"{lo}..{hi}" + (" or `auto`" if key.name == "load_threads" else "")
+
+
+def markdown_table() -> str:
+    rows = ["| key | default | range | meaning |", "|---|---|---|---|"]
+    for k in KEYS:
+        doc = k.doc + (f" (env `{k.env}`)" if k.env and not k.shown else "")
+        where = " (also in the `MOONCAKE_CONFIG_PATH` file)" if k.mooncake else ""
+        rows.append(f"| `{k.name}` | {_shown(k)} | {_range(k)} | {doc}{where} |")
+    return "\n".join(rows)
+
+
+# ---- the Helm chart's schema for extraConfig ----------------------------------------------
+HELM_SCHEMA = "helm/mooncake-pooled-connector/values.schema.json"
+
+
+def json_schema(key: Key) -> dict[str, Any]:
+    """The JSON-schema fragment that admits what `key.parse` admits (sizes: any size text)."""
+    kinds = {"size": {"type": ["string", "integer"]}, "int": {"type": "integer"},
+             "float": {"type": "number"}, "bool": {"type": "boolean"}, "text": {"type": "string"}}
+    out: dict[str, Any] = {"description": key.doc}
+    if key.kind == "choice":
+        out |= {"type": "string", "enum": list(key.choices)}
     else:
-        if "load_threads_max" in extra:
-            raise ConfigError("kv_connector_extra_config.load_threads_max: only used with "
-                              "load_threads: auto; remove it or set load_threads to auto")
-        threads = _int_in_range(value, name, 1, MAX_RECV_THREADS, fix_threads)
+        out |= kinds[key.kind]
+    if key.kind in ("int", "float") and key.lo is not None:
+        cast = int if key.kind == "int" else float
+        out |= {"minimum": cast(key.lo), "maximum": cast(key.hi)}
+    if key.kind == "text" and key.default != "":
+        out["minLength"] = 1
+    return out
 
-    def opt(key: str, parse, *args):
-        return parse(extra[key], f"kv_connector_extra_config.{key}", *args) if key in extra \
-            else getattr(ConnectorConfig, key)
 
-    on_unreachable = opt("on_master_unreachable", _text)
-    if on_unreachable not in ON_MASTER_UNREACHABLE:
-        raise ConfigError(
-            f"kv_connector_extra_config.on_master_unreachable: {on_unreachable!r}; use "
-            f"{ON_MASTER_UNREACHABLE[0]!r} (refuse to start) or {ON_MASTER_UNREACHABLE[1]!r} "
-            "(serve without the cache and reconnect in the background)"
-        )
-    staging = opt("staging", _text).lower()
-    if staging not in STAGING_MODES:
-        raise ConfigError(
-            f"kv_connector_extra_config.staging: {staging!r}; use 'auto' (staged copies for "
-            "host-memory KV caches over tcp), 'on' or 'off' (multi-buffer transfers)"
-        )
-    trace_ratio = (
-        _number(extra["trace_sample_ratio"], "kv_connector_extra_config.trace_sample_ratio", 0, 1)
-        if "trace_sample_ratio" in extra else None
-    )
-    return ConnectorConfig(
-        store=store,
-        load_threads=threads,
-        load_threads_auto=auto,
-        load_split_blocks=opt("load_split_blocks", _int_in_range, 0, 1 << 20,
-                              "0 keeps each request in one job"),
-        staging=staging,
-        staging_buffer_size=opt("staging_buffer_size", parse_size),
-        cache_prefix=opt("cache_prefix", _text),
-        model_id=opt("model_id", _text),
-        lookup_timeout_s=opt("lookup_timeout_s", _number, 0.001, 600),
-        lookup_wait_ms=opt("lookup_wait_ms", _number, 0, 10_000),
-        enable_save=opt("enable_save", _bool),
-        enable_load=opt("enable_load", _bool),
-        save_decode_tokens=opt("save_decode_tokens", _bool),
-        master_lookup_sample_ratio=opt("master_lookup_sample_ratio", _number, 0, 1),
-        trace_sample_ratio=trace_ratio,
-        on_master_unreachable=on_unreachable,
-        store_timeout_s=opt("store_timeout_s", _number, 0.1, 600),
-        source=source,
-    )
+def helm_extra_config() -> dict[str, Any]:
+    """The chart's extraConfig properties: every connector key but load_threads (recvThreads)."""
+    return {k.name: json_schema(k) for k in KEYS
+            if not k.mooncake and k.name != "load_threads"}
+
+
+def sync_helm_schema(path: str = HELM_SCHEMA, check: bool = False) -> bool:
+    with open(path, encoding="utf-8") as f:
+        schema = json.load(f)
+    props = schema["definitions"]["extraConfig"]["properties"]
+    if props == helm_extra_config():
+        return True
+    if not check:
+        schema["definitions"]["extraConfig"]["properties"] = helm_extra_config()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(schema, indent=2) + "\n")
+    return False
+
+
+def sync_readme(path: str = "README.md", check: bool = False) -> bool:
+    """Write the key table between the README's markers; with check, only compare."""
+    return sync_block(path, "config-table", markdown_table(), check)
+
+
+if __name__ == "__main__":
+    import sys
+
+    check = "--check" in sys.argv
+    ok = sync_readme(check=check) & sync_helm_schema(check=check)
+    sys.exit(0 if ok or not check else 1)

@@ -12,10 +12,12 @@ client and torch-heavy code load only in the role that needs them.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -30,6 +32,25 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
+
+
+@dataclass
+class LayoutHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once its KV caches are registered."""
+
+    kv_signature: str
+
+
+def _attn_backend_names(vllm_config: Any) -> str:
+    """The attention backends of this worker's layers (part of the KV layout signature)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        return ",".join(sorted({b.get_name() for b in get_current_attn_backends(vllm_config)}))
+    except Exception:  # noqa: BLE001 - best effort: the tensor signature still applies
+        logger.warning("could not determine the attention backend for the KV layout key",
+                       exc_info=True)
+        return ""
 
 
 class PooledMooncakeStoreConnector(KVConnectorBase_V1):
@@ -71,12 +92,14 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
             tp_rank = vllm_config.parallel_config.rank % tp_size
         self.worker = MooncakeStoreWorker(self.config, self.keys, tp_rank,
                                           kv_cache_config.num_blocks)
-        from connector.tracing import SpanExporter, sample_ratio, tracing_enabled
+        from connector.sampling import TraceSampler
+        from connector.tracing import SpanExporter, tracing_enabled
 
         if tracing_enabled():
-            ratio = sample_ratio(self.config.trace_sample_ratio)
-            if ratio > 0:
-                self.worker.add_subscriber(SpanExporter(ratio, tp_rank, "worker"))
+            sampler = TraceSampler.configured(self.config.trace_sample_ratio)
+            if not sampler.never:
+                self.worker.add_subscriber(SpanExporter(
+                    sampler, tp_rank, "worker", on_traced=self.worker.recorder.traced_load))
         logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
                     "keys %s", tp_rank, tp_size,
                     f"auto 1..{self.config.load_threads}" if self.config.load_threads_auto
@@ -128,7 +151,21 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
 
     # ---- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        self.worker.register_kv_caches(kv_caches, _attn_backend_names(self._vllm_config))
+
+    def get_handshake_metadata(self) -> LayoutHandshake | None:
+        """The registered KV layout, for the scheduler's keys (sent once, at startup)."""
+        return LayoutHandshake(self.worker.kv_signature) if self.worker else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self.scheduler is None:
+            return
+        signatures = {getattr(m, "kv_signature", None) for m in metadata.values()}
+        if len(signatures) != 1 or None in signatures:
+            raise RuntimeError("PooledMooncakeStoreConnector: the TP ranks registered "
+                               f"different KV layouts {sorted(map(str, signatures))}; "
+                               "blocks cannot be keyed safely")
+        self.scheduler.set_kv_signature(signatures.pop())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, StepMetadata)

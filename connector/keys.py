@@ -9,18 +9,18 @@ models or layouts can never read each other's blocks: they simply miss.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """What must match for a stored block to be byte-compatible with this engine's cache."""
 
@@ -35,14 +35,34 @@ class Layout:
     hash_algo: str = "sha256"
     cache_layout: str = ""
     revision: str = ""
+    # What the worker really registered (`kv_signature`): attention backend, each KV tensor's
+    # shape, stride order, dtype and element size. The scheduler learns it from the workers'
+    # handshake before the first request, so both sides key blocks by the real memory layout.
+    kv_signature: str = ""
 
     def fingerprint(self) -> str:
         text = "|".join(str(v) for v in (
             self.model, self.revision, self.dtype, self.block_size,
             self.num_kv_heads_per_rank, self.head_size,
             self.num_layers, self.tp_size, self.pp_rank, self.hash_algo, self.cache_layout,
+            self.kv_signature,
         ))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def kv_signature(kv_caches: Mapping[str, Any], num_blocks: int, backend: str = "") -> str:
+    """A stable description of the registered KV memory: per distinct tensor its shape (the
+    block dimension written B), the order of its dimensions in memory (by stride, outermost
+    first), dtype and element size; and the attention backend's name. Two engines whose
+    tensors have equal shapes but another dimension order (NHD vs HND) or element type get
+    different signatures, so they never read each other's blocks."""
+    parts = []
+    for t in kv_caches.values():
+        shape = ",".join("B" if d == num_blocks else str(d) for d in t.shape)
+        order = ",".join(str(i) for i in sorted(range(t.dim()), key=lambda i: (-t.stride(i), i)))
+        dtype = str(t.dtype).removeprefix("torch.")
+        parts.append(f"[{shape}]o[{order}]{dtype}x{t.element_size()}")
+    return ";".join([backend, *sorted(set(parts))])
 
 
 def _slug(text: str) -> str:
@@ -53,12 +73,18 @@ class KeyBuilder:
     """Builds store keys for one layout; one instance per process, reused on every call."""
 
     def __init__(self, cache_prefix: str, layout: Layout) -> None:
+        self.cache_prefix = cache_prefix
         self.layout = layout
         self.fingerprint = layout.fingerprint()
         base = f"{cache_prefix}/{_slug(layout.model)}/{self.fingerprint}"
         self._rank_prefix = tuple(
             f"{base}/tp{layout.tp_size}r{r}/" for r in range(layout.tp_size)
         )
+
+    def with_signature(self, signature: str) -> KeyBuilder:
+        """The same namespace, fingerprinted with the registered KV memory's signature."""
+        return KeyBuilder(self.cache_prefix, dataclasses.replace(self.layout,
+                                                                 kv_signature=signature))
 
     def keys(self, block_hashes: Sequence[bytes], tp_rank: int) -> list[str]:
         """Keys of the given blocks in rank `tp_rank`'s namespace."""

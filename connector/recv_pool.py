@@ -1,102 +1,289 @@
-"""A pool of receive threads sharing one job queue.
+"""A pool of job threads sharing one queue, with a deadline per job.
 
 Every KV load pays Python preparation and a master lookup before bytes move; with one thread
 that is dead time on the NIC. N threads take whole jobs from one shared queue, so those
-control phases overlap with other jobs' transfers (the store calls release the GIL).
+control phases overlap with other jobs' transfers (the store calls release the GIL). The save
+path uses a pool of one.
 
-The pool knows nothing about KV caches: it hands each job to `handler(job, thread_index)`,
-keeps per-thread in-flight flags for the gauges, and survives any exception a handler raises.
-`set_active(n)` parks threads n.. (they stop taking jobs), for `load_threads: auto`.
+The pool knows nothing about KV caches: it hands each job to `handler(job, slot, ticket)`,
+keeps per-slot in-flight flags for the gauges, and survives any exception a handler raises.
+`set_active(n)` parks slots n.. (they take no job at all), for `load_threads: auto`.
+
+Deadlines. A store call cannot be cancelled, and a frozen peer can hold one for as long as
+Mooncake's own timeouts (30 s by default). With `deadline_s`, a watchdog expires a job that is
+still queued or running past its deadline and calls `on_expire(job, reason)`, so the request
+goes on (vLLM recomputes) instead of waiting. What keeps memory safe is the job's `Ticket`:
+a handler writes into memory vLLM owns only inside `ticket.writing()`, and the watchdog
+never expires a ticket in that state (it waits; writes from memory the job owns are quick).
+The thread stuck in the call is retired: its slot gets a fresh thread (and with it fresh
+thread-local buffers, see the worker), at most `max_stuck` of them at a time, and the old
+thread exits once its call returns, after `on_retire()` has released what it held.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 J = TypeVar("J")
-_STOP = object()
+
+QUEUED, RUNNING, WRITING, DONE, EXPIRED = range(5)
+WATCHDOG_TICK_S = 0.05
+
+
+class Ticket(Generic[J]):
+    """One job's state, shared by its thread and the watchdog under the pool's lock."""
+
+    __slots__ = ("job", "deadline", "state", "_lock")
+
+    def __init__(self, job: J, deadline: float, lock: threading.Lock) -> None:
+        self.job = job
+        self.deadline = deadline
+        self.state = QUEUED
+        self._lock = lock
+
+    @property
+    def expired(self) -> bool:
+        return self.state == EXPIRED
+
+    def _move(self, allowed: tuple[int, ...], to: int) -> bool:
+        with self._lock:
+            if self.state not in allowed:
+                return False
+            self.state = to
+            return True
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[bool]:
+        """Yields True if the job may write into memory vLLM owns (it has not expired);
+        the watchdog cannot expire it until the block exits."""
+        ok = self._move((RUNNING,), WRITING)
+        try:
+            yield ok
+        finally:
+            if ok:
+                self._move((WRITING,), RUNNING)
+
+    def finish(self) -> bool:
+        """Mark the job done; False if the watchdog expired it first (it reported it)."""
+        return self._move((RUNNING, WRITING), DONE)
 
 
 class RecvPool(Generic[J]):
-    def __init__(self, threads: int, handler: Callable[[J, int], None],
-                 name: str = "mcpool-recv") -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, threads: int, handler: Callable[[J, int, Ticket[J]], None],
+                 name: str = "mcpool-recv", active: int | None = None,
+                 deadline_s: float = 0.0,
+                 on_expire: Callable[[J, str], None] | None = None,
+                 on_retire: Callable[[], None] | None = None,
+                 on_replace: Callable[[], None] | None = None,
+                 max_stuck: int | None = None) -> None:
         self._handler = handler
+        self._name = name
+        self._deadline_s = deadline_s
+        self._on_expire = on_expire
+        self._on_retire = on_retire
+        self._on_replace = on_replace
+        self.max_stuck = threads if max_stuck is None else max_stuck
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # active slots wait here for jobs
+        self._park = threading.Condition(self._lock)  # parked slots wait here
+        self._jobs: deque[Ticket[J]] = deque()
+        self._live: deque[Ticket[J]] = deque()  # queued or running tickets, oldest first
         self.inflight = [0] * threads
         self.jobs_done = [0] * threads
+        self.expired = 0  # jobs the watchdog reported (counted once each)
+        self.replaced = 0  # threads retired while stuck and replaced
+        self.stuck = 0  # retired threads still inside their call
         # High-water marks since the last take_peaks(): a gauge sampled once per engine step
         # would miss a burst that the threads drain within the step.
         self._peak_depth = 0
         self._busy = [0] * threads
-        self.active = threads  # threads with index < active take jobs
-        self._gate = threading.Condition()
+        self.active = max(1, min(threads if active is None else active, threads))
         self._closing = False
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
+        self._owner: list[threading.Thread | None] = [None] * threads
+        self._current: dict[threading.Thread, Ticket[J]] = {}
+        self._threads: list[threading.Thread] = []
+        for i in range(threads):
+            self._spawn(i)
+        self._watchdog = None
+        if deadline_s > 0:
+            self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
 
     @property
     def size(self) -> int:
-        return len(self._threads)
+        return len(self.inflight)
+
+    def _spawn(self, slot: int) -> None:
+        t = threading.Thread(target=self._run, args=(slot,), name=f"{self._name}-{slot}",
+                             daemon=True)
+        self._owner[slot] = t
+        self._threads.append(t)
+        t.start()
 
     def submit(self, job: J) -> None:
-        self._queue.put(job)
-        self._peak_depth = max(self._peak_depth, self._queue.qsize())
+        deadline = time.monotonic() + self._deadline_s if self._deadline_s > 0 else 0.0
+        ticket = Ticket(job, deadline, self._lock)
+        with self._lock:
+            if self._closing:
+                closing = True
+            else:
+                closing = False
+                self._jobs.append(ticket)
+                if deadline:
+                    self._live.append(ticket)
+                self._peak_depth = max(self._peak_depth, len(self._jobs))
+                self._work.notify()
+        if closing:
+            self._expire_now(job, "shutdown")
 
     def set_active(self, n: int) -> None:
-        """Let threads 0..n-1 take jobs; the others park after their current job."""
-        with self._gate:
+        """Let slots 0..n-1 take jobs; the others park after their current job."""
+        with self._lock:
             self.active = max(1, min(n, self.size))
-            self._gate.notify_all()
+            self._park.notify_all()
+            self._work.notify_all()
 
     def depth(self) -> int:
         """Jobs waiting for a thread."""
-        return self._queue.qsize()
+        return len(self._jobs)
 
     def take_peaks(self) -> tuple[int, list[int]]:
-        """Peak queue depth and per-thread busy flags since the previous call."""
+        """Peak queue depth and per-slot busy flags since the previous call."""
         depth, self._peak_depth = max(self._peak_depth, self.depth()), 0
         busy = [max(b, f) for b, f in zip(self._busy, self.inflight, strict=True)]
         self._busy = [0] * len(busy)
         return depth, busy
 
-    def _run(self, index: int) -> None:
-        while True:
-            if index >= self.active:
-                with self._gate:
-                    while index >= self.active and not self._closing:
-                        self._gate.wait()
-            job = self._queue.get()
-            if job is _STOP:
-                return
-            self.inflight[index] = self._busy[index] = 1
-            try:
-                self._handler(job, index)
-            except Exception:  # the handler reports its own failures; keep serving the queue
-                logger.exception("receive thread %d: unhandled error in load job", index)
-            finally:
-                self.inflight[index] = 0
-                self.jobs_done[index] += 1
+    def _next(self, slot: int) -> Ticket[J] | None:
+        """The next job for this slot's thread, or None when it must exit."""
+        me = threading.current_thread()
+        with self._lock:
+            while True:
+                if self._owner[slot] is not me or (self._closing and not self._jobs):
+                    return None
+                if slot >= self.active and not self._closing:
+                    self._park.wait()
+                    continue
+                if not self._jobs:
+                    self._work.wait()
+                    continue
+                ticket = self._jobs.popleft()
+                if ticket.state != QUEUED:  # expired while queued: already reported
+                    continue
+                ticket.state = RUNNING
+                self._current[me] = ticket
+                return ticket
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop after the queued jobs; never blocks longer than `timeout` in total."""
-        with self._gate:
-            self._closing = True  # parked threads go on to take their stop marker
-            self._gate.notify_all()
-        for _ in self._threads:
-            self._queue.put(_STOP)
+    def _run(self, slot: int) -> None:
+        me = threading.current_thread()
+        while True:
+            ticket = self._next(slot)
+            if ticket is None:
+                break
+            self.inflight[slot] = self._busy[slot] = 1
+            try:
+                self._handler(ticket.job, slot, ticket)
+            except Exception:  # the handler reports its own failures; keep serving the queue
+                logger.exception("%s thread %d: unhandled error in job", self._name, slot)
+            finally:
+                ticket.finish()
+                with self._lock:
+                    self._current.pop(me, None)
+                    retired = self._owner[slot] is not me
+                    if retired:
+                        self.stuck -= 1
+                if not retired:
+                    self.inflight[slot] = 0
+                    self.jobs_done[slot] += 1
+            if retired:
+                break
+        if self._owner[slot] is not me and self._on_retire is not None:
+            try:
+                self._on_retire()
+            except Exception:
+                logger.exception("%s: releasing a retired thread's buffers failed", self._name)
+
+    # ---- deadlines -------------------------------------------------------------------------
+    def _expire_now(self, job: J, reason: str) -> None:
+        self.expired += 1
+        if self._on_expire is not None:
+            try:
+                self._on_expire(job, reason)
+            except Exception:
+                logger.exception("%s: reporting an expired job failed", self._name)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(WATCHDOG_TICK_S)
+            now = time.monotonic()
+            expired: list[Ticket[J]] = []
+            replaced_before = self.replaced
+            with self._lock:
+                if self._closing and not self._live:
+                    return
+                keep: deque[Ticket[J]] = deque()
+                while self._live and self._live[0].deadline <= now:
+                    t = self._live.popleft()
+                    if t.state in (QUEUED, RUNNING):
+                        was_running = t.state == RUNNING
+                        t.state = EXPIRED
+                        expired.append(t)
+                        if was_running:
+                            self._retire_holder(t)
+                    elif t.state == WRITING:  # never under a write: look again next tick
+                        keep.append(t)
+                self._live.extendleft(reversed(keep))
+            for t in expired:
+                self._expire_now(t.job, "timeout")
+            for _ in range(self.replaced - replaced_before):
+                if self._on_replace is not None:
+                    self._on_replace()
+
+    def _retire_holder(self, ticket: Ticket[J]) -> None:
+        """Called with the lock held: the thread running `ticket` is stuck in a call."""
+        holder = next((th for th, t in self._current.items() if t is ticket), None)
+        if holder is None:
+            return
+        slot = self._owner.index(holder) if holder in self._owner else -1
+        if slot < 0 or self.stuck >= self.max_stuck:
+            logger.warning("%s: a job is stuck past its deadline and %d stuck threads already "
+                           "wait for their calls; its slot waits too", self._name, self.stuck)
+            return
+        self.stuck += 1
+        self.replaced += 1
+        self.inflight[slot] = 0
+        logger.warning("%s thread %d is stuck in a store call past its deadline: retired "
+                       "(exits when the call returns), replaced by a fresh thread",
+                       self._name, slot)
+        self._spawn(slot)
+
+    # ---- shutdown --------------------------------------------------------------------------
+    def close(self, timeout: float = 5.0) -> list[threading.Thread]:
+        """Fail the queued jobs fast, stop the threads, and return those still inside a call
+        after `timeout` (the caller must not free what they use until they return)."""
+        with self._lock:
+            self._closing = True
+            queued = [t for t in self._jobs if t.state == QUEUED]
+            for t in queued:
+                t.state = EXPIRED
+            self._jobs.clear()
+            self._park.notify_all()
+            self._work.notify_all()
+        for t in queued:
+            self._expire_now(t.job, "shutdown")
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        busy = [t.name for t in self._threads if t.is_alive()]
+        busy = [t for t in self._threads if t.is_alive()]
         if busy:
-            logger.warning("receive threads still busy at shutdown (left as daemons): %s", busy)
+            logger.warning("%s: threads still inside a store call at shutdown: %s",
+                           self._name, [t.name for t in busy])
+        return busy

@@ -70,6 +70,17 @@ class MooncakeStoreScheduler:
         self._saved: set[str] = set()
         self._free_after: list[str] = []
         self.recorder = StatsRecorder()
+        # vLLM asks about every waiting request in one step: the wait for lookups is a budget
+        # per step (reset in build_connector_meta), not per request.
+        self._step_budget_s = config.lookup_wait_ms / 1e3
+        self.step_waited_s = 0.0
+        self._keys_ready = False  # until the workers' handshake gives the registered layout
+
+    def set_kv_signature(self, signature: str) -> None:
+        """Key lookups by the KV layout the workers registered (their handshake)."""
+        self._keys = self._keys.with_signature(signature)
+        self._keys_ready = True
+        logger.info("store keys: layout fingerprint %s", self._keys.fingerprint)
 
     # ---- lookup ----------------------------------------------------------------------------
     def _lookup_range(self, request: Any) -> int:
@@ -78,7 +89,7 @@ class MooncakeStoreScheduler:
 
     def prefetch(self, request: Any) -> None:
         """Start the lookup when the request arrives, so the scheduler rarely has to wait."""
-        if self.config.enable_load and self._lookup_range(request) > 0:
+        if self.config.enable_load and self._keys_ready and self._lookup_range(request) > 0:
             self._submit(request.request_id, request.block_hashes[:self._lookup_range(request)])
 
     def _submit(self, rid: str, hashes: Sequence[bytes]) -> _Lookup | None:
@@ -90,7 +101,7 @@ class MooncakeStoreScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if not self.config.enable_load:
+        if not self.config.enable_load or not self._keys_ready:
             return 0, False
         max_blocks = self._lookup_range(request)
         if max_blocks * self._block_size <= num_computed_tokens:
@@ -112,8 +123,10 @@ class MooncakeStoreScheduler:
                 "error", 0, 0, len(hashes) * self._block_size, 0.0,
                 self._store.down_code or "unavailable"))
             return 0
+        t0 = time.perf_counter()
         try:
-            hit_tokens, event = lk.future.result(timeout=self.config.lookup_wait_ms / 1e3)
+            wait = max(0.0, self._step_budget_s - self.step_waited_s)
+            hit_tokens, event = lk.future.result(timeout=wait)
             self.recorder.on_lookup(event)  # counted when used, so a timed-out one counts once
             return hit_tokens
         except cf.TimeoutError:
@@ -126,6 +139,7 @@ class MooncakeStoreScheduler:
                            self.config.lookup_timeout_s)
             return 0
         finally:
+            self.step_waited_s += time.perf_counter() - t0
             if lk.future.done():
                 self._lookups.pop(rid, None)
 
@@ -198,6 +212,7 @@ class MooncakeStoreScheduler:
                 tr.block_ids.extend(new_ids[0])
             self._plan_save(tr, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid],
                             saves)
+        self.step_waited_s = 0.0  # a new step: a new lookup-wait budget
         meta = StepMetadata(loads=tuple(self._loads), saves=tuple(saves),
                             free_after_jobs=tuple(self._free_after), preempted=preempted)
         self._loads.clear()
@@ -247,6 +262,10 @@ class MooncakeStoreScheduler:
             return True, None
         return False, None
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Cancel queued lookups; close the client once no lookup can still be inside a call
+        on it (at once if the running ones end within `timeout`, else in the background)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._store.close()
+        running = [lk.future for lk in self._lookups.values() if not lk.future.done()]
+        _, stuck = cf.wait(running, timeout=timeout)
+        self._store.close([lambda f=f: cf.wait([f]) for f in stuck])

@@ -13,7 +13,8 @@ multi-region blocks in host memory over TCP only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -70,31 +71,40 @@ class BlockStager:
         for view, a, b in self._regions:
             view.index_copy_(0, idx, src[:, a:b])
 
-    def get(self, client: Any, keys: list[str], block_ids: list[int]) -> list[int]:
+    def get(self, client: Any, keys: list[str], block_ids: list[int],
+            writing: Callable[[], AbstractContextManager[bool]]) -> list[int]:
         """Get into the buffer a buffer-full at a time and scatter the blocks that arrived
-        whole; per-key results as the store's multi-buffer get returns them."""
+        whole; per-key results as the store's multi-buffer get returns them.
+
+        `writing()` guards each scatter (the only write into the KV cache): when it yields
+        False the job has expired, its blocks belong to vLLM again, and the get stops."""
         results: list[int] = []
         for i in range(0, len(keys), self.capacity):
             n = min(self.capacity, len(keys) - i)
             res = client.batch_get_into(keys[i:i + n], self.addresses[:n], self.sizes[:n])
             ids = block_ids[i:i + n]
             ok = [j for j, r in enumerate(res) if r == self.block_bytes]
-            if len(ok) == len(res):
-                self.scatter(ids)
-            elif ok:  # never copy a short or failed read into the cache
-                self.scatter([ids[j] for j in ok], rows=ok)
+            with writing() as allowed:
+                if not allowed:
+                    return results
+                if len(ok) == len(res):
+                    self.scatter(ids)
+                elif ok:  # never copy a short or failed read into the cache
+                    self.scatter([ids[j] for j in ok], rows=ok)
             results.extend(res)
         return results
 
-    def put(self, client: Any, keys: list[str], block_ids: list[int]) -> list[int]:
+    def put(self, client: Any, keys: list[str], block_ids: list[int],
+            replicate: Any = None) -> list[int]:
         """Gather and put a buffer-full at a time; per-key results of `batch_put_from`."""
         results: list[int] = []
         for i in range(0, len(keys), self.capacity):
             ids = block_ids[i:i + self.capacity]
             n = len(ids)
             self.gather(ids)
-            results.extend(client.batch_put_from(keys[i:i + n], self.addresses[:n],
-                                                 self.sizes[:n]))
+            args = (keys[i:i + n], self.addresses[:n], self.sizes[:n])
+            results.extend(client.batch_put_from(*args, replicate) if replicate is not None
+                           else client.batch_put_from(*args))
         return results
 
     def gather(self, block_ids: Sequence[int]) -> None:

@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from connector.config import CLUSTER_ID_ENV, ConfigError, StoreConfig, etcd_endpoints
@@ -47,6 +48,9 @@ ERROR_NAMES = {
 EXCEPTION_CODE = "exception"
 # Label value for a save given up on at a preemption (its blocks were reused under it).
 ABANDONED_CODE = "abandoned"
+# Label values for jobs the pool's watchdog reported: past their deadline, or queued at close.
+TIMEOUT_CODE = "timeout"
+SHUTDOWN_CODE = "shutdown"
 # Codes that mean the master itself is gone: stop calling it until a probe says it is back.
 MASTER_DOWN_CODES = frozenset({-900, -901})
 PROBE_KEY = "__mcpool_probe__"
@@ -149,11 +153,14 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
     master = check_reachable(cfg, timeout)
     if cfg.cluster_id:  # the client reads it from the environment (load_config checked both)
         os.environ.setdefault(CLUSTER_ID_ENV, cfg.cluster_id)
-    # Bound one master RPC by store_timeout_s (Mooncake's default is 30 s: a call in flight to
-    # a partitioned leader held its job that long), and a reconnect attempt by 1 s (with 30 s
-    # a call after the timeout blocked ~90 s reconnecting to the unreachable old leader).
-    os.environ.setdefault(RPC_TIMEOUT_ENV, str(int(timeout * 1000)))
-    os.environ.setdefault(RPC_CONNECT_TIMEOUT_ENV, str(int(min(timeout, 1.0) * 1000)))
+    apply_transfer_timeout(cfg.transfer_timeout)
+    if cfg.ha:
+        # Unless transfer_timeout or the environment set them: bound one master RPC by
+        # store_timeout_s (with Mooncake's 30 s a call in flight to a partitioned leader held
+        # its job that long) and a reconnect by 1 s (with 30 s, the call after a timeout
+        # blocked ~90 s reconnecting to the unreachable old leader).
+        os.environ.setdefault(RPC_TIMEOUT_ENV, str(int(timeout * 1000)))
+        os.environ.setdefault(RPC_CONNECT_TIMEOUT_ENV, str(int(min(timeout, 1.0) * 1000)))
     from mooncake.store import MooncakeDistributedStore  # heavy; worker/scheduler only
 
     store = MooncakeDistributedStore()
@@ -170,6 +177,31 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
                else "")
         )
     return store, master
+
+
+# Mooncake's own deadlines, read from the environment when its transports start: a TCP
+# transfer (MC_TCP_STATUS_TIMEOUT_SEC), other transports (MC_TRANSFER_TIMEOUT) and master
+# RPCs (MC_RPC_TIMEOUT_MS). Each defaults to 30 s; measured here: a get from a frozen store
+# node returns -800 and one through a frozen master -901, 30 s after the call.
+TIMEOUT_ENV = {"MC_TCP_STATUS_TIMEOUT_SEC": 1, "MC_TRANSFER_TIMEOUT": 1, "MC_RPC_TIMEOUT_MS": 1000}
+
+
+def apply_transfer_timeout(seconds: float | None) -> None:
+    """Set Mooncake's call timeouts (unless the environment already sets them), so a call
+    stuck on a frozen peer returns: the only bound for zero-copy transfers."""
+    if seconds is None:
+        return
+    for var, per_second in TIMEOUT_ENV.items():
+        os.environ.setdefault(var, str(max(1, round(seconds * per_second))))
+
+
+def replicate_config(replica_num: int) -> Any:
+    """The ReplicateConfig passed to every put (replica_num copies of each block)."""
+    from mooncake.store import ReplicateConfig
+
+    cfg = ReplicateConfig()
+    cfg.replica_num = replica_num
+    return cfg
 
 
 def error_code_label(code: int) -> str:
@@ -209,6 +241,7 @@ class StoreHandle:
         self.down_code: str = ""  # the code that tripped the breaker; "" while healthy
         self._down_since = 0.0  # monotonic time the breaker opened (0 while closed)
         self._outage = [0, 0.0]  # failovers ridden through, seconds without a master: unreported
+        self.replicate = replicate_config(cfg.replica_num)  # passed to every put
         try:
             self.client, self.master = open_store(*self._args)
         except StoreUnavailable as e:
@@ -253,10 +286,13 @@ class StoreHandle:
     def _probe(self) -> None:
         cfg, timeout = self._args[0], self._args[3]
         while not self._stop.wait(self._probe_s):
+            client = self.client
+            if client is None:  # closed
+                return
             master, problem = find_master(cfg, min(timeout, 1.0))
             if problem:
                 continue
-            if min(self.client.batch_is_exist([PROBE_KEY])) < 0:
+            if min(client.batch_is_exist([PROBE_KEY])) < 0:
                 continue
             with self._lock:
                 failover = cfg.ha and master != self.master
@@ -280,8 +316,21 @@ class StoreHandle:
             logger.info("connected to the Mooncake store; cache enabled")
             return
 
-    def close(self) -> None:
+    def close(self, wait_first: Sequence[Callable[[], object]] = ()) -> None:
+        """Close the client. With `wait_first` (calls that block until a thread still inside
+        a store call has returned), close it from a background thread once they return: so
+        shutdown never waits on a frozen peer, and the client is never freed under a call."""
         self._stop.set()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        client, self.client = self.client, None
+        if client is None:
+            return
+        if not wait_first:
+            client.close()
+            return
+
+        def close_later() -> None:
+            for wait in wait_first:
+                wait()
+            client.close()
+
+        threading.Thread(target=close_later, name="mcpool-close", daemon=True).start()

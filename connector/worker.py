@@ -1,38 +1,43 @@
 """Worker side: moves KV blocks between this rank's cache and the Mooncake store.
 
-- Loads: `start_load_kv` queues one job per request; a `RecvPool` of N threads (N =
-  VLLM_MOONCAKE_LOAD_RECV_THREADS) runs them. A job that fails in any way reports its block
-  ids as load errors *before* the request is reported finished, so vLLM recomputes them; no
-  request is ever left unfinished.
-- Saves: `wait_for_save` queues one job per request with new full blocks; one save thread
-  writes them (skipping keys the store already holds).
-- Block lifetime: blocks of a request with jobs in flight are not freed (the scheduler delays
-  the free until every rank reports the request in finished_sending) and not reused after a
-  preemption (`handle_preemptions` waits for the request's saves). A save still stuck after
-  PREEMPTION_WAIT_S is abandoned: the engine goes on, so the blocks may be rewritten under
-  it; the save then stores nothing, or removes what it stored (never a mix of two requests'
-  KV under one key).
+- Loads: `start_load` queues one job per request (or per part, with load_split_blocks); a
+  `RecvPool` of N threads (N = VLLM_MOONCAKE_LOAD_RECV_THREADS) runs them. A job that fails in
+  any way, or outlives `load_timeout_s`, reports its block ids as load errors *before* the
+  request is reported finished, so vLLM recomputes them; no request is ever left unfinished.
+- Saves: `start_save` queues one job per request with new full blocks; a pool of one save
+  thread writes them (skipping keys the store already holds), each within `save_timeout_s`.
+- Block lifetime (`ledger.RequestLedger`): blocks of a request with jobs in flight are not
+  freed (the scheduler delays the free until every rank reports the request in
+  finished_sending) and not reused after a preemption (`wait_preempted` waits for the
+  request's saves). A save still stuck after PREEMPTION_WAIT_S, or past its deadline, is
+  abandoned: the engine goes on, so the blocks may be rewritten under it; the save then
+  stores nothing, or removes what it stored (never a mix of two requests' KV under one key).
+- Memory under a stuck call: a staged load writes only into its thread's staging buffer and
+  copies into the KV cache only while its ticket allows it (`recv_pool.Ticket.writing`); a
+  thread stuck past the deadline is replaced together with its buffer, which is released only
+  once the call returns. A multi-buffer load writes straight into the KV blocks, so its
+  request is held until Mooncake's own transfer timeout ends the call (`transfer_timeout`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.events import LoadEvent, SaveEvent, Subscriber
-from connector.keys import KeyBuilder
+from connector.keys import KeyBuilder, kv_signature
 from connector.kv_regions import BlockRegions, compute_regions
+from connector.ledger import RequestLedger
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.recv_pool import RecvPool
+from connector.recv_pool import RecvPool, Ticket
+from connector.sampling import LookupProbe
 from connector.staging import BlockStager
-from connector.stats import StatsRecorder
+from connector.stats import StatsRecorder, WorkerGauges
 from connector.store import (
     ABANDONED_CODE,
     EXCEPTION_CODE,
@@ -43,6 +48,8 @@ from connector.store import (
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 PREEMPTION_WAIT_S = 60.0
+SHUTDOWN_WAIT_S = 1.0  # for jobs inside a store call at shutdown; then the client closes later
+REMOVE_ATTEMPTS = 3  # an abandoned save's cleanup is retried this often before it is counted
 
 
 def request_hash(req_id: str) -> str:
@@ -74,60 +81,54 @@ class MooncakeStoreWorker:
         self._keys = keys
         self._num_blocks = num_blocks
         self._regions: BlockRegions | None = None
-        # Staging buffers (None: multi-buffer transfers): one per receive thread, one for saves.
-        self._load_stagers: list[BlockStager] | None = None
-        self._save_stager: BlockStager | None = None
+        self._staged = False  # staging buffers (per thread, made on first use) or multi-buffer
+        self._tls = threading.local()
+        self._buffers_lock = threading.Lock()
+        self.staging_buffers = 0  # live staging buffers (bounded: threads + stuck threads)
         self._kv_caches: dict[str, Any] = {}
         self._closed = False
         self._store = StoreHandle(
             config.store, config.store.global_segment_size, config.store.local_buffer_size,
             config.on_master_unreachable, config.store_timeout_s)
-        # Bookkeeping shared by the model-runner thread and the job threads. The lock guards
-        # only these containers and is never held across a store call.
-        self._lock = threading.Condition()
-        self._pending: Counter[str] = Counter()  # jobs in flight per request
-        self._done_loads: set[str] = set()
-        self._load_errors: set[int] = set()
-        self._awaiting_free: set[str] = set()
-        self._abandoned: set[str] = set()  # preempted requests whose saves outlived the wait
-        self._lookup_every = (round(1 / config.master_lookup_sample_ratio)
-                              if config.master_lookup_sample_ratio > 0 else 0)
-        self._job_count = [0] * config.load_threads
-        self.pool: RecvPool[_Job] = RecvPool(config.load_threads, self._load)
-        self._save_queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._save_thread = threading.Thread(target=self._save_loop, name="mcpool-save",
-                                             daemon=True)
-        self._save_thread.start()
+        self.ledger = RequestLedger()
+        self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads)
         self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges,
                                       self._master_outage)
+        self.pool: RecvPool[_Job] = RecvPool(
+            config.load_threads, self._load, active=1 if config.load_threads_auto else None,
+            deadline_s=config.load_timeout_s, on_expire=self._load_expired,
+            on_retire=self._release_stager,
+            on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "load"))
+        self.save_pool: RecvPool[_Job] = RecvPool(
+            1, self._save_job, name="mcpool-save", deadline_s=config.save_timeout_s,
+            on_expire=self._save_expired, on_retire=self._release_stager,
+            on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "save"))
         self.subscribers: list[Subscriber] = [self.recorder]
         if config.load_threads_auto:
             from connector.autotune import ThreadTuner
 
-            self.subscribers.append(ThreadTuner(config.load_threads, self.pool.set_active))
+            self.subscribers.append(ThreadTuner(
+                config.load_threads, self.pool.set_active,
+                on_error=lambda: self.recorder.count("autotune_errors", tp_rank)))
         self._get_context = None
-        self._info_key = f"layout_info|{tp_rank}|{keys.fingerprint}|{keys.layout.hash_algo}|"
 
     def add_subscriber(self, sub: Subscriber) -> None:
         self.subscribers.append(sub)
         self._get_context = getattr(sub, "get_context", self._get_context)
 
     # ---- registration ----------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], attn_backend: str = "") -> None:
+        self._keys = self._keys.with_signature(
+            kv_signature(kv_caches, self._num_blocks, attn_backend))
         self._regions = compute_regions(kv_caches, self._num_blocks)
         self._kv_caches = kv_caches  # registered memory must outlive the store client
-        if self._use_staging():
-            size = self.config.staging_buffer_size
-            self._load_stagers = [BlockStager(self._regions, self._num_blocks, size)
-                                  for _ in range(self.pool.size)]
-            if self.config.enable_save:
-                self._save_stager = BlockStager(self._regions, self._num_blocks, size)
-        self._info_key += "staged" if self._load_stagers else "multibuffer"
+        self._staged = self._use_staging()
+        per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
         logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
                     "threads, %s", len(self._regions.sizes), self._regions.block_bytes,
                     self.tp_rank, self.pool.size,
-                    f"staged transfers ({self._load_stagers[0].capacity} blocks per call)"
-                    if self._load_stagers else "multi-buffer transfers")
+                    f"staged transfers ({per_call} blocks per call)"
+                    if self._staged else "multi-buffer transfers")
         self._store.on_connect(self._register_buffers)
 
     def _use_staging(self) -> bool:
@@ -141,16 +142,40 @@ class MooncakeStoreWorker:
                                 and self.config.store.protocol == "tcp"
                                 and len(self._regions.sizes) > 1)
 
-    def _stagers(self) -> list[BlockStager]:
-        return [*(self._load_stagers or ()), *([self._save_stager] if self._save_stager else [])]
-
     def _register_buffers(self, client: Any) -> None:
-        buffers = [(s.buffer.data_ptr(), s.nbytes) for s in self._stagers()]
-        for ptr, size in [*self._regions.storages, *buffers]:
+        for ptr, size in self._regions.storages:
             rc = client.register_buffer(ptr, size)
             if rc != 0:
                 logger.error("register_buffer(%#x, %d) failed with %d; loads and saves on "
                              "this rank will fail and be recomputed", ptr, size, rc)
+
+    def _stager(self, client: Any) -> BlockStager | None:
+        """This thread's staging buffer, made and registered on first use. Per thread, not
+        per slot: a thread stuck in a call keeps its buffer until the call returns, and its
+        replacement gets a fresh one."""
+        if not self._staged:
+            return None
+        stager = getattr(self._tls, "stager", None)
+        if stager is None:
+            stager = BlockStager(self._regions, self._num_blocks,
+                                 self.config.staging_buffer_size)
+            rc = client.register_buffer(stager.buffer.data_ptr(), stager.nbytes)
+            if rc != 0:
+                raise RuntimeError(f"register_buffer of a staging buffer failed with {rc}")
+            self._tls.stager, self._tls.client = stager, client
+            with self._buffers_lock:
+                self.staging_buffers += 1
+        return stager
+
+    def _release_stager(self) -> None:
+        """A retired thread's call has returned: its buffer can be unregistered and freed."""
+        stager = getattr(self._tls, "stager", None)
+        if stager is None:
+            return
+        self._tls.client.unregister_buffer(stager.buffer.data_ptr())
+        self._tls.stager = self._tls.client = None
+        with self._buffers_lock:
+            self.staging_buffers -= 1
 
     # ---- per step --------------------------------------------------------------------------
     def _context(self) -> Any:
@@ -160,9 +185,7 @@ class MooncakeStoreWorker:
         now = time.perf_counter()
         ctx = self._context()
         parts = [p for t in meta.loads for p in t.split(self.config.load_split_blocks)]
-        with self._lock:
-            for p in parts:
-                self._pending[p.req_id] += 1
+        self.ledger.add_loads(p.req_id for p in parts)
         for p in parts:
             self.pool.submit(_Job(p, now, ctx))
 
@@ -177,73 +200,46 @@ class MooncakeStoreWorker:
             ready.record()
         now = time.perf_counter()
         ctx = self._context()
-        with self._lock:
-            for t in meta.saves:
-                self._pending[t.req_id] += 1
+        self.ledger.add_saves(t.req_id for t in meta.saves)
         for t in meta.saves:
-            self._save_queue.put(_Job(t, now, ctx, ready))
+            self.save_pool.submit(_Job(t, now, ctx, ready))
 
     def note_free_after(self, meta: StepMetadata) -> None:
         if meta.free_after_jobs:
-            with self._lock:
-                self._awaiting_free.update(meta.free_after_jobs)
+            self.ledger.free_after(meta.free_after_jobs)
 
     def wait_preempted(self, meta: StepMetadata) -> None:
         """Block until no job of a preempted request can still touch its (now reusable) blocks."""
         if not meta.preempted:
             return
-        deadline = time.monotonic() + PREEMPTION_WAIT_S
-        with self._lock:
-            while any(self._pending[r] for r in meta.preempted):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    stuck = {r for r in meta.preempted if self._pending[r]}
-                    self._abandoned |= stuck
-                    logger.error("saves of %d preempted request(s) still running after %.0fs; "
-                                 "their blocks are reused now, so those saves are abandoned "
-                                 "(what they store is removed)", len(stuck), PREEMPTION_WAIT_S)
-                    return
-                self._lock.wait(left)
+        stuck = self.ledger.wait_idle(meta.preempted, PREEMPTION_WAIT_S)
+        if stuck:
+            logger.error("saves of %d preempted request(s) still running after %.0fs; their "
+                         "blocks are reused now, so those saves are abandoned (what they store "
+                         "is removed)", len(stuck), PREEMPTION_WAIT_S)
 
-    def _is_abandoned(self, req_id: str) -> bool:
-        with self._lock:
-            return req_id in self._abandoned
+    @property
+    def kv_signature(self) -> str:
+        """The registered layout's signature, for the scheduler's keys (handshake)."""
+        return self._keys.layout.kv_signature
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        with self._lock:
-            recving, self._done_loads = self._done_loads, set()
-            sending = {r for r in self._awaiting_free if not self._pending[r]}
-            self._awaiting_free -= sending
-        return sending or None, recving or None
+        return self.ledger.take_finished()
 
     def get_load_errors(self) -> set[int]:
-        with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.ledger.take_load_errors()
 
-    def _finish(self, req_id: str, failed_blocks: list[int] | tuple[int, ...], load: bool) -> None:
-        with self._lock:
-            # Errors first: vLLM must see the bad blocks no later than the completion.
-            self._load_errors.update(failed_blocks)
-            self._pending[req_id] -= 1
-            if self._pending[req_id] <= 0:
-                del self._pending[req_id]  # bounded: only requests with jobs in flight
-                self._abandoned.discard(req_id)
-                if load:  # the last part of the request's load
-                    self._done_loads.add(req_id)
-            self._lock.notify_all()
-
-    def _gauges(self) -> dict[str, int]:
+    def _gauges(self) -> WorkerGauges:
         """Sampled at every stats poll; queue depth and in-flight are peaks since the last one."""
         depth, busy = self.pool.take_peaks()
-        g = {f"load_queue_depth|{self.tp_rank}": depth,
-             f"save_queue_depth|{self.tp_rank}": self._save_queue.qsize(),
-             f"recv_threads|{self.tp_rank}": self.pool.size,
-             f"recv_threads_active|{self.tp_rank}": self.pool.active,
-             self._info_key: 1}
-        for i, v in enumerate(busy):
-            g[f"load_inflight|{self.tp_rank}|{i}"] = v
-        return g
+        return WorkerGauges(
+            load_queue_depth=depth, save_queue_depth=self.save_pool.depth(),
+            recv_threads=self.pool.size, recv_threads_active=self.pool.active,
+            load_inflight=tuple(busy),
+            threads_stuck={"load": self.pool.stuck, "save": self.save_pool.stuck},
+            staging_buffers=self.staging_buffers,
+            layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
+                    "staged" if self._staged else "multibuffer") if self._regions else None)
 
     def _master_outage(self) -> dict[str, float]:
         failovers, seconds = self._store.take_outage()
@@ -271,7 +267,7 @@ class MooncakeStoreWorker:
             self._store.trip(down)
 
     # ---- load job (runs on a receive thread) -----------------------------------------------
-    def _load(self, job: _Job, thread: int) -> None:
+    def _load(self, job: _Job, thread: int, ticket: Ticket[_Job]) -> None:
         t = job.transfer
         t_start = time.perf_counter()
         t_prepared = t_lookup_end = t_start
@@ -280,20 +276,23 @@ class MooncakeStoreWorker:
         try:
             client = self._connected()
             keys = self._keys.keys(t.block_hashes, self.tp_rank)
-            stager = self._load_stagers[thread] if self._load_stagers else None
+            stager = self._stager(client)
             addrs = None if stager else self._regions.addresses(t.block_ids)
             t_prepared = t_lookup_end = time.perf_counter()
-            self._job_count[thread] += 1
-            if self._lookup_every and self._job_count[thread] % self._lookup_every == 0:
+            if self._lookup_probe.due(thread):
                 client.batch_get_replica_desc(keys)
                 t_lookup_end = time.perf_counter()
                 sampled = True
-            results = (stager.get(client, keys, t.block_ids) if stager
-                       else client.batch_get_into_multi_buffers(keys, *addrs))
+            if stager:
+                results = stager.get(client, keys, t.block_ids, ticket.writing)
+            else:  # zero-copy: the call itself writes into the KV blocks
+                with ticket.writing() as ok:
+                    results = (client.batch_get_into_multi_buffers(keys, *addrs) if ok
+                               else [])
             want = self._regions.block_bytes
-            if len(results) != len(keys):
+            if not ticket.expired and len(results) != len(keys):
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
-            failed = [b for b, r in zip(t.block_ids, results, strict=True) if r != want]
+            failed = [b for b, r in zip(t.block_ids, results, strict=False) if r != want]
             nbytes = sum(r for r in results if r > 0)
             bad = next((r for r in results if r != want), None)
             if bad is not None:
@@ -305,8 +304,9 @@ class MooncakeStoreWorker:
             code = EXCEPTION_CODE
             logger.warning("load of %d blocks for %s failed: %r", len(t.block_ids),
                            request_hash(t.req_id), e)
-        finally:
-            self._finish(t.req_id, failed if code else (), load=True)
+        if not ticket.finish():
+            return  # expired: the watchdog reported it, and nothing was copied since
+        self.ledger.finish_load(t.req_id, failed if code else ())
         self._publish("on_load", LoadEvent(
             thread=thread, tp_rank=self.tp_rank, trace_id=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=nbytes, failed_blocks=len(failed) if code else 0,
@@ -314,18 +314,22 @@ class MooncakeStoreWorker:
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
             trace_parent=job.trace_parent))
 
-    # ---- save thread -----------------------------------------------------------------------
-    def _save_loop(self) -> None:
-        while True:
-            job = self._save_queue.get()
-            if job is None:
-                return
-            try:
-                self._save(job)
-            except Exception:
-                logger.exception("save job failed unexpectedly")
+    def _load_expired(self, job: _Job, reason: str) -> None:
+        """Watchdog (timeout) or shutdown: every block of the job is a load error."""
+        t = job.transfer
+        self.ledger.finish_load(t.req_id, t.block_ids)
+        now = time.perf_counter()
+        self._publish("on_load", LoadEvent(
+            thread=0, tp_rank=self.tp_rank, trace_id=request_hash(t.req_id),
+            keys=len(t.block_ids), nbytes=0, failed_blocks=len(t.block_ids), code=reason,
+            t_enqueue=job.t_enqueue, t_start=now, t_prepared=now, t_lookup_end=now, t_end=now,
+            lookup_sampled=False, trace_parent=job.trace_parent))
 
-    def _save(self, job: _Job) -> None:
+    # ---- save job (runs on the save thread) ------------------------------------------------
+    def _abandoned(self, req_id: str, ticket: Ticket[_Job]) -> bool:
+        return ticket.expired or self.ledger.is_abandoned(req_id)
+
+    def _save_job(self, job: _Job, _slot: int, ticket: Ticket[_Job]) -> None:
         t = job.transfer
         t_start = time.perf_counter()
         t_ready = t_exists = t_start
@@ -343,15 +347,16 @@ class MooncakeStoreWorker:
                 self._check_master(exists)
             new = [i for i, e in enumerate(exists) if e != 1]
             skipped = len(keys) - len(new)
-            if new and self._is_abandoned(t.req_id):
+            if new and self._abandoned(t.req_id, ticket):
                 code, op = ABANDONED_CODE, "save"
             elif new:
                 new_keys, new_ids = [keys[i] for i in new], [t.block_ids[i] for i in new]
+                stager = self._stager(client)
                 results = (
-                    self._save_stager.put(client, new_keys, new_ids)
-                    if self._save_stager else
-                    client.batch_put_from_multi_buffers(new_keys,
-                                                        *self._regions.addresses(new_ids)))
+                    stager.put(client, new_keys, new_ids, self._store.replicate)
+                    if stager else
+                    client.batch_put_from_multi_buffers(
+                        new_keys, *self._regions.addresses(new_ids), self._store.replicate))
                 # -705: another writer stored the same block meanwhile; that is a skip.
                 skipped += sum(1 for r in results if r == -705)
                 stored = sum(1 for r in results if r == 0)
@@ -359,10 +364,10 @@ class MooncakeStoreWorker:
                 if errs:
                     code, op = error_code_label(errs[0]), "save"
                     self._check_master(errs)
-                if stored and self._is_abandoned(t.req_id):
+                if stored and self._abandoned(t.req_id, ticket):
                     # The blocks may have been rewritten while the put read them.
-                    client.batch_remove([k for k, r in zip(new_keys, results, strict=True)
-                                         if r == 0], force=True)
+                    self._remove(client, [k for k, r in zip(new_keys, results, strict=True)
+                                          if r == 0])
                     stored, code, op = 0, ABANDONED_CODE, "save"
                 nbytes = stored * self._regions.block_bytes
         except StoreDown as e:
@@ -370,24 +375,51 @@ class MooncakeStoreWorker:
         except Exception as e:
             code, op = EXCEPTION_CODE, "save"
             logger.warning("save for %s failed: %r", request_hash(t.req_id), e)
-        finally:
-            self._finish(t.req_id, (), load=False)
+        if not ticket.finish():
+            return  # expired: the watchdog already reported it and released its blocks
+        self.ledger.finish_save(t.req_id)
         self._publish("on_save", SaveEvent(
             tp_rank=self.tp_rank, trace_id=request_hash(t.req_id), keys=stored, skipped=skipped,
             nbytes=nbytes, code=code, failed_op=op, t_enqueue=job.t_enqueue, t_start=t_start,
             t_ready=t_ready, t_exists_end=t_exists, t_end=time.perf_counter(),
             trace_parent=job.trace_parent))
 
+    def _remove(self, client: Any, keys: list[str]) -> None:
+        """Remove an abandoned save's keys, retrying; what still cannot be removed is logged
+        and counted (failures{op="save_remove"}): it holds KV that may be mixed."""
+        left, rc = keys, 0
+        for attempt in range(REMOVE_ATTEMPTS):
+            results = client.batch_remove(left, force=True)
+            left = [k for k, r in zip(left, results, strict=True) if r not in (0, -704)]
+            if not left:
+                return
+            rc = next(r for r in results if r not in (0, -704))
+            time.sleep(0.05 * (attempt + 1))
+        logger.error("%d key(s) of an abandoned save could not be removed (last code %d); "
+                     "they may hold KV rewritten mid-put: %s", len(left), rc, left[:4])
+        self.recorder.count("failures", self.tp_rank, "save_remove", error_code_label(rc),
+                            n=len(left))
+
+    def _save_expired(self, job: _Job, reason: str) -> None:
+        """A save past its deadline (or queued at shutdown): its request's blocks are released
+        now, so a put still running for it is abandoned and removes what it stored."""
+        t = job.transfer
+        self.ledger.finish_save(t.req_id)
+        now = time.perf_counter()
+        self._publish("on_save", SaveEvent(
+            tp_rank=self.tp_rank, trace_id=request_hash(t.req_id), keys=0, skipped=0, nbytes=0,
+            code=reason, failed_op="save", t_enqueue=job.t_enqueue, t_start=now, t_ready=now,
+            t_exists_end=now, t_end=now, trace_parent=job.trace_parent))
+
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """Fail queued jobs fast, stop the threads, and close the store client only once no
+        thread can still be inside a call on it."""
         if self._closed:
             return
         self._closed = True
-        self.pool.close()
-        self._save_queue.put(None)
-        self._save_thread.join(5.0)
+        stuck = self.pool.close(SHUTDOWN_WAIT_S) + self.save_pool.close(SHUTDOWN_WAIT_S)
         for sub in self.subscribers:
             if hasattr(sub, "shutdown"):
                 sub.shutdown()
-        self._store.close()
-
+        self._store.close([t.join for t in stuck])

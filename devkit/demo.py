@@ -15,12 +15,11 @@ import random
 import time
 from collections import defaultdict
 
+from connector.metric_catalog import PREFIX as P
 from devkit.ha_cluster import HaCluster
 from devkit.local_cluster import _wait_segment_mounted
 from devkit.stack import local_stack
 from devkit.vllm_server import metric_sum
-
-P = "vllm:mooncake_pool_"
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:

@@ -15,10 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
+from connector.metric_catalog import PREFIX as P
 from devkit.stack import local_stack
 from devkit.vllm_server import VllmServer, metric_sum
-
-P = "vllm:mooncake_pool_"
 
 
 def engine_rss(server: VllmServer) -> int:

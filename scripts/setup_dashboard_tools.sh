@@ -4,7 +4,8 @@
 #     the package uses its build timestamp as a PEP 440 epoch), into the project venv;
 #   - typescript 5 and @grafana/schema ~11.6 into dashboards/tscheck/node_modules, from the
 #     committed package-lock.json, for the `tsc --strict` check of the dashboard JSON;
-#   - promtool / prometheus from Debian's `prometheus` package (setup.sh installs it too).
+#   - promtool / prometheus from Debian's `prometheus` package, and Node.js + npm from Debian's
+#     `nodejs` and `npm` when no npm is on PATH (setup.sh installs both too).
 # Idempotent: a second run only checks what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +30,9 @@ fi
 "$PY" -m pip show matplotlib >/dev/null 2>&1 || "$PY" -m pip install -q matplotlib
 
 if ! command -v npm >/dev/null 2>&1; then
-  echo "setup-dashboards: npm not found; install Node.js >= 18 (apt-get install nodejs npm)" >&2
-  exit 1
+  echo "setup-dashboards: apt-get install nodejs npm"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
 fi
 TS=dashboards/tscheck
 if [ ! -x "$TS/node_modules/.bin/tsc" ] || [ ! -d "$TS/node_modules/@grafana/schema" ] \

@@ -25,8 +25,10 @@ EXPECTED_ALERTS = {
     "MooncakePoolLoadQueueSaturated",
     "MooncakePoolMasterLookupSlow",
     "MooncakePoolStoreHitRateZero",
+    "MooncakePoolStoreHitRateCollapsed",
     "MooncakePoolNoSuccessfulStoreOps",
     "MooncakePoolMasterUnreachable",
+    "MooncakePoolStoreCallsStuck",
     "MooncakeMasterNoServingLeader",
     "MooncakeMasterStandbyNotFollowing",
 }
@@ -98,7 +100,7 @@ def test_alert_test_series_are_exported_by_the_connector():
     for f in promql.CATALOG.FAMILIES:
         for s in (("_bucket", "_sum", "_count") if f.kind == "histogram" else ("",)):
             families[f.name + s if s else f.exported] = f
-    target_labels = {"job", "instance", "pod"}
+    target_labels = {"job", "instance", "pod", "vllm_deployment"}
     for t in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
         for s in t["input_series"]:
             name, _, rest = s["series"].partition("{")

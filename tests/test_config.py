@@ -73,6 +73,66 @@ def test_size_units():
     assert parse_size(1024, "x") == 1024
 
 
+@pytest.mark.parametrize("value", ["4IB", "4KI", "2 BB", "1.5Q"])
+def test_size_units_are_never_misread(value):
+    with pytest.raises(ConfigError, match="cannot parse size"):
+        parse_size(value, "x")  # "4IB" was read as 4 bytes
+
+
+def test_staging_buffer_is_bounded():
+    assert "staging_buffer_size: must be" in error_for({"staging_buffer_size": "1T"})
+    assert load_config({**BASE, "staging_buffer_size": "64MB"}, {}).staging_buffer_size == \
+        64 * 2**20
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"master_server_address": "127.0.0.1:65536"}, "master_server_address"),
+    ({"master_server_address": "127.0.0.1:0"}, "master_server_address"),
+    ({"metadata_server": "http://127.0.0.1:99999/metadata"}, "metadata_server"),
+])
+def test_ports_out_of_range(extra, field):
+    assert f"{field}: " in error_for(extra) and "65535" in error_for(extra)
+
+
+@pytest.mark.parametrize("key", ["mode", "enable_offload", "tenant_id"])
+def test_in_tree_fields_without_meaning_are_rejected_with_why(key, tmp_path):
+    msg = error_for({key: "x"})
+    assert f"{key} is not used by this connector" in msg
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({**BASE, key: "x"}))
+    with pytest.raises(ConfigError, match=f"MOONCAKE_CONFIG_PATH.*{key} is not used"):
+        load_config({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+
+
+def test_in_tree_replica_num_and_transfer_timeout_apply(tmp_path):
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({**BASE, "replica_num": 2, "transfer_timeout": 7}))
+    cfg = load_config({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+    assert cfg.store.replica_num == 2 and cfg.store.transfer_timeout == 7.0
+    assert "replica_num" in error_for({"replica_num": 0})
+    assert "transfer_timeout" in error_for({"transfer_timeout": "soon"})
+
+
+def test_transfer_timeout_sets_mooncake_timeouts(monkeypatch):
+    from connector.store import apply_transfer_timeout
+
+    for var in ("MC_TCP_STATUS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT", "MC_RPC_TIMEOUT_MS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "9")  # an operator's own setting wins
+    apply_transfer_timeout(3.0)
+    import os
+
+    assert os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == "3"
+    assert os.environ["MC_RPC_TIMEOUT_MS"] == "3000" and os.environ["MC_TRANSFER_TIMEOUT"] == "9"
+
+
+def test_deadlines_validated():
+    cfg = load_config(BASE, {})
+    assert cfg.load_timeout_s == 5.0 and cfg.save_timeout_s == 30.0
+    assert "load_timeout_s" in error_for({"load_timeout_s": 0})
+    assert "save_timeout_s" in error_for({"save_timeout_s": "never"})
+
+
 def test_unknown_extra_config_key():
     msg = error_for({"load_thread": 4})
     assert "load_thread" in msg and "allowed keys" in msg
@@ -165,3 +225,40 @@ def test_vllm_refuses_to_start_when_master_unreachable(tiny_model):
     assert time.monotonic() - t0 < 120  # no 90 s setup() retry loop per process
     assert f"master_server_address: Mooncake master {late.address} is unreachable" in \
         server.log_tail(400)
+
+
+def test_readme_key_table_and_quoted_error_match_the_catalogue():
+    """The README table is generated from KEYS, and the error it quotes is the real one."""
+    import re
+    from pathlib import Path
+
+    from connector.config import HELM_SCHEMA, helm_extra_config, sync_helm_schema, sync_readme
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    assert sync_readme(str(readme), check=True), "run: python -m connector.config"
+    assert sync_helm_schema(str(readme.parent / HELM_SCHEMA), check=True), \
+        "the chart's extraConfig schema drifted from KEYS: run python -m connector.config"
+    helm_row = next(line for line in (readme.parent / "helm" / "README.md").read_text()
+                    .splitlines() if line.startswith("| `extraConfig` |"))
+    assert set(re.findall(r"`([a-z_]+)`", helm_row.split("|")[3])) == \
+        set(helm_extra_config()) | {"kv_connector_extra_config", "auto", "on", "off", "fail",
+                                    "degrade"}
+    values = (readme.parent / "helm" / "mooncake-pooled-connector" / "values.yaml").read_text()
+    assert "(VLLM_MOONCAKE_LOAD_RECV_THREADS), 1..64,\n  # or auto" in values
+    quoted = re.search(r"`(kv_connector_extra_config\.load_threads: must be[^`]*)`",
+                       readme.read_text()).group(1)
+    assert error_for({"load_threads": 0}) == quoted
+
+
+def test_dataclass_defaults_come_from_the_catalogue():
+    from dataclasses import fields
+
+    from connector.config import BY_NAME, KEYS, ConnectorConfig, StoreConfig
+
+    declared = {f.name: f.default for cls in (StoreConfig, ConnectorConfig)
+                for f in fields(cls) if f.name in BY_NAME}
+    assert set(declared) == {k.name for k in KEYS} - {"load_threads_max"}
+    for required in ("master_server_address", "metadata_server"):
+        assert BY_NAME[required].default is None
+        del declared[required]
+    assert all(BY_NAME[n].default == d for n, d in declared.items())

@@ -280,3 +280,26 @@ def test_vllm_allow_list_matches_vllm():
     for name in promql.VLLM_CORE:
         base = re.sub(r"_(total|bucket|sum|count)$", "", name)
         assert f'"{base}"' in source, f"{base} not defined by vLLM {spec.origin}"
+
+
+def test_exemplar_panels_link_to_traces():
+    """Every panel over an exemplar family asks Grafana for exemplars, and the provisioned
+    Prometheus data source links the exemplar label holding the trace id to a traces source."""
+    import yaml
+
+    cat = promql.CATALOG
+    for fam in cat.EXEMPLAR_FAMILIES:
+        bucket = cat.BY_KEY[fam].name + "_bucket"
+        panels = [p for d in _dashboards().values() for p in _panels(d)
+                  if any(bucket in t["expr"] for t in p.get("targets", []))]
+        assert panels, f"no panel shows {bucket}"
+        for p in panels:
+            assert all(t.get("exemplar") for t in p["targets"]), p["title"]
+    ds = yaml.safe_load((DASH_DIR / "grafana-datasources.yaml").read_text())["datasources"]
+    by_uid = {d["uid"]: d for d in ds}
+    dests = [dest for d in ds if d["type"] == "prometheus"
+             for dest in d["jsonData"]["exemplarTraceIdDestinations"]]
+    assert dests
+    for dest in dests:
+        assert dest["name"] == cat.EXEMPLAR_LABELS[0]  # "trace_id", as connector/prom.py writes
+        assert by_uid[dest["datasourceUid"]]["type"] in ("tempo", "jaeger", "zipkin")

@@ -76,5 +76,8 @@ def test_auto_raises_threads_under_queued_loads(auto_server):
     assert metric_sum(delta, PREFIX + "load_jobs_total", status="ok") >= REQUESTS * 0.9
     assert metric_sum(delta, PREFIX + "load_jobs_total", status="error") == 0
     assert max(seen) >= 2, seen
-    # the threads the tuner woke took jobs
-    assert metric_sum(delta, PREFIX + "load_jobs_total", thread="1") > 0
+    # The threads the tuner woke took jobs; the ones it never woke took none (a parked
+    # thread must not take even one job).
+    woken = int(max(seen))
+    jobs = [metric_sum(delta, PREFIX + "load_jobs_total", thread=str(t)) for t in range(4)]
+    assert all(n > 1 for n in jobs[1:woken]) and all(n == 0 for n in jobs[woken:]), jobs

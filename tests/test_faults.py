@@ -14,12 +14,13 @@ import pytest
 
 from bench.proxy import DelayProxy
 from connector.metadata import BlockTransfer, StepMetadata
+from connector.metric_catalog import PREFIX as P
 from devkit.local_cluster import MooncakeMaster, StoreNode, free_port
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
 from tests.worker_kit import hashes, run_step
 
-P = "vllm:mooncake_pool_"
+LOAD_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def fault_server(tiny_model, cluster):
     master, _, proxy = cluster
     server = VllmServer(tiny_model, connector_kv_config(engine_extra(
         master, cache_prefix="faults", load_threads=4, lookup_timeout_s=1.0,
-        master_server_address=proxy.address))).start()
+        load_timeout_s=LOAD_TIMEOUT_S, master_server_address=proxy.address))).start()
     yield server
     server.stop()
 
@@ -50,11 +51,15 @@ def prompts(seed: int, n: int = 8) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(10 * BLOCK_SIZE + 7)] for _ in range(n)]
 
 
-def fill_then_burst(server: VllmServer, work: list[list[int]], fault) -> tuple[list, float]:
+def fill_then_burst(server: VllmServer, work: list[list[int]], fault
+                    ) -> tuple[list, float, float]:
     """Serve `work` once (computed, saved), drop vLLM's local cache, then serve it again as a
     concurrent burst while `fault()` runs; returns (reference outputs, seconds after the fault
-    until the whole burst completed) after checking every output."""
+    until the whole burst completed, seconds the first, computed pass took) after checking
+    every output."""
+    t0 = time.monotonic()
     reference = [server.complete(p) for p in work]
+    compute_s = time.monotonic() - t0
     time.sleep(1.0)  # saves drain
     server.reset_prefix_cache()
     faulted_at: list[float] = []
@@ -71,7 +76,7 @@ def fill_then_burst(server: VllmServer, work: list[list[int]], fault) -> tuple[l
     done = time.monotonic()
     injector.join()
     assert outputs == reference, "a request affected by the fault produced different output"
-    return reference, done - faulted_at[0]
+    return reference, done - faulted_at[0], compute_s
 
 
 def wait_for_cache(server: VllmServer, seed: int, timeout: float = 60.0) -> None:
@@ -96,7 +101,7 @@ def test_master_killed_during_burst(fault_server, cluster):
     master, _, _ = cluster
     before = fault_server.metrics()
     try:
-        _, after_fault = fill_then_burst(fault_server, prompts(1), master.kill)
+        _, after_fault, _ = fill_then_burst(fault_server, prompts(1), master.kill)
     finally:
         failures = metric_sum(fault_server.metrics(), P + "failures_total", code="-900")
         master.start()  # same ports: the engine reconnects without a restart
@@ -111,7 +116,7 @@ def test_store_node_killed_during_burst(fault_server, cluster):
     _, node, _ = cluster
     before = fault_server.metrics()
     try:
-        _, after_fault = fill_then_burst(fault_server, prompts(2), node.stop)
+        _, after_fault, _ = fill_then_burst(fault_server, prompts(2), node.stop)
     finally:
         node.port = free_port()  # a new node process, as after a pod restart
         node.start()
@@ -136,9 +141,12 @@ def test_full_store_rejects_saves_and_keeps_serving(make_worker_on):
         assert c.get("save_keys|0", 0) > 0
         rejected = sum(v for k, v in c.items() if k.startswith("failures|0|save|"))
         assert rejected > 0, c
-        # Loads of what did fit keep working.
-        done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("r", (0,), hs[:1]),)))
-        assert done == {"r"}
+        # Loads of what did fit (and was not evicted since) keep working.
+        exists = w._connected().batch_is_exist(w._keys.keys(hs, 0))
+        kept = [h for h, e in zip(hs, exists, strict=True) if e == 1]
+        assert kept, "nothing stayed in the store"
+        done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("r", (0,), kept[:1]),)))
+        assert done == {"r"} and errors == set()
     finally:
         node.stop()
         master.stop()
@@ -153,3 +161,49 @@ def test_shutdown_does_not_hang_with_jobs_queued(make_worker_on, cluster):
     t0 = time.monotonic()
     w.shutdown()
     assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("which", ["store_node", "master"])
+def test_frozen_peer_never_holds_a_request(fault_server, cluster, which):
+    """SIGSTOP (a frozen peer: TCP open, nothing answers) during a burst of store hits. A
+    frozen store node holds the loads' calls: each is recomputed after load_timeout_s; a
+    frozen master holds the lookups: each is a miss after lookup_timeout_s. Either way every
+    request completes with the exact output within the deadline plus the time the burst takes
+    to compute, and once the peer answers the cache hits again with no stuck thread or extra
+    staging buffer left behind."""
+    import os
+    import signal
+
+    master, node, _ = cluster
+    proc = (node if which == "store_node" else master).proc
+    before = fault_server.metrics()
+    try:
+        _, after_fault, compute_s = fill_then_burst(
+            fault_server, prompts(3 if which == "master" else 4),
+            lambda: os.killpg(proc.pid, signal.SIGSTOP))
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    print(f"burst completed {after_fault:.2f}s after the {which} froze (computing it took "
+          f"{compute_s:.2f}s)")
+    # Without deadlines the burst waits out Mooncake's 30 s timeout; the slack covers the
+    # recompute on a shared 2-core host.
+    assert after_fault < LOAD_TIMEOUT_S + 2 * compute_s + 5.0, \
+        f"burst took {after_fault:.1f}s, computing it {compute_s:.1f}s"
+    m = fault_server.metrics()
+    if which == "store_node":
+        assert metric_sum(m, P + "failures_total", code="timeout") > metric_sum(
+            before, P + "failures_total", code="timeout")
+    else:
+        assert metric_sum(m, P + "lookups_total", result="timeout") > metric_sum(
+            before, P + "lookups_total", result="timeout")
+    wait_for_cache(fault_server, 300 if which == "master" else 400)
+    deadline = time.monotonic() + 60
+    while True:  # the stuck calls return (Mooncake's 30 s timeout at most); nothing leaks
+        m = fault_server.metrics()
+        stuck = metric_sum(m, P + "threads_stuck")
+        buffers = metric_sum(m, P + "staging_buffers")
+        if stuck == 0 and buffers <= 5:  # 4 receive threads + 1 save thread
+            break
+        assert time.monotonic() < deadline, f"{stuck} stuck threads, {buffers} buffers"
+        fault_server.complete(prompts(int(time.monotonic()), 1)[0], max_tokens=1)
+        time.sleep(1.0)

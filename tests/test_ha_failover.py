@@ -44,7 +44,7 @@ def test_ha_master_group_is_a_supported_address(address):
     ({"master_server_address": "etcd://"}, {}, "master_server_address: expected etcd://host:port"),
     ({"master_server_address": "etcd://a:1,b"}, {}, "master_server_address: expected etcd://"),
     ({"master_server_address": "http://a:1"}, {}, "master_server_address: expected host:port "
-                                                  "(one master) or etcd://"),
+                                                  "(one master, port 1..65535) or etcd://"),
     ({"metadata_server": "etcd://a"}, {}, "metadata_server: expected etcd://host:port"),
     ({"cluster_id": "a b"}, {}, "cluster_id: 'a b' is not a cluster id"),
     ({"cluster_id": "a"}, {CLUSTER_ID_ENV: "b"}, f"cluster_id: 'a' differs from {CLUSTER_ID_ENV}"),

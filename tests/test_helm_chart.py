@@ -1,10 +1,11 @@
 """Offline checks of the Helm chart with the real helm binary (./bin/helm, v4).
 
-What runs: `helm lint --strict`, `helm template` (defaults and ci/three-deployments-values.yaml),
-`helm install --dry-run=client`, `kubernetes-validate --strict -k 1.30.0` and yamllint on the
-rendered output, the values schema's error messages, the secure defaults, the per-deployment
-thread count, and the structure of the CRD objects (ServiceMonitor/PodMonitor/PrometheusRule),
-which kubernetes-validate has no schema for.
+What runs: `helm lint --strict`, `helm template` (defaults, ci/three-deployments-values.yaml and
+ci/ha-values.yaml), `helm install --dry-run=client`, `kubernetes-validate --strict -k 1.30.0` and
+yamllint on the rendered output, the values schema's error messages, the secure defaults, the
+per-deployment thread count, and the structure of the CRD objects (ServiceMonitor/PodMonitor/
+PrometheusRule), which kubernetes-validate has no schema for. Network policies:
+tests/test_helm_netpol.py; HA masters: tests/test_helm_ha.py; checkov: tests/test_helm_checkov.py.
 
 helm is installed by scripts/setup_helm.sh when ./bin/helm is missing.
 """
@@ -12,7 +13,6 @@ helm is installed by scripts/setup_helm.sh when ./bin/helm is missing.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,84 +22,24 @@ import pytest
 import yaml
 
 from connector.config import CONNECTOR_KEYS, load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "helm" / "mooncake-pooled-connector"
-CI_VALUES = CHART / "ci" / "three-deployments-values.yaml"
-HELM = ROOT / "bin" / "helm"
-VENV_BIN = Path(sys.executable).parent
-KUBE_VERSION = "1.30.0"
-RELEASE = "pool"
-CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def helm_env(tmp: Path) -> dict[str, str]:
-    """Environment for helm with no cluster: an explicit dummy kubeconfig (helm would otherwise
-    talk to localhost:8080, where a local mooncake_master may be listening) and private dirs."""
-    kubeconfig = tmp / "kubeconfig"
-    if not kubeconfig.exists():
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "none",
-            "clusters": [{"name": "none", "cluster": {"server": "https://127.0.0.1:1"}}],
-            "users": [{"name": "none", "user": {"token": "dummy"}}],
-            "contexts": [{"name": "none", "context": {"cluster": "none", "user": "none"}}],
-        }))
-        kubeconfig.chmod(0o600)
-    env = dict(os.environ)
-    env.update(
-        KUBECONFIG=str(kubeconfig),
-        HELM_CACHE_HOME=str(tmp / "helm-cache"),
-        HELM_CONFIG_HOME=str(tmp / "helm-config"),
-        HELM_DATA_HOME=str(tmp / "helm-data"),
-    )
-    env.pop("HELM_DRIVER", None)
-    return env
-
-
-def ensure_helm() -> Path:
-    """./bin/helm, installed by scripts/setup_helm.sh if missing."""
-    if not HELM.exists():
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "setup_helm.sh")], cwd=ROOT,
-                           capture_output=True, text=True, timeout=600)
-        if r.returncode != 0 or not HELM.exists():
-            pytest.fail(f"./bin/helm is missing and scripts/setup_helm.sh failed "
-                        f"(rc {r.returncode}):\n{r.stdout}\n{r.stderr}")
-    return HELM
-
-
-class Helm:
-    def __init__(self, binary: Path, tmp: Path):
-        self.binary, self.env, self.tmp = binary, helm_env(tmp), tmp
-
-    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        r = subprocess.run([str(self.binary), *args], env=self.env, capture_output=True,
-                           text=True, timeout=120)
-        if check and r.returncode != 0:
-            raise AssertionError(f"helm {' '.join(args)} failed (rc {r.returncode}):\n"
-                                 f"{r.stdout}\n{r.stderr}")
-        return r
-
-    def template(self, *values_args: str, chart: Path = CHART, values: dict | None = None,
-                 check: bool = True) -> subprocess.CompletedProcess:
-        args = ["template", RELEASE, str(chart), "--namespace", "llm",
-                "--kube-version", KUBE_VERSION, *values_args]
-        if values is not None:
-            f = self.tmp / f"values-{abs(hash(json.dumps(values, sort_keys=True)))}.yaml"
-            f.write_text(yaml.safe_dump(values))
-            args += ["-f", str(f)]
-        return self.run(*args, check=check)
-
-    def render(self, *values_args: str, **kw) -> list[dict]:
-        out = self.template(*values_args, **kw).stdout
-        return [d for d in yaml.safe_load_all(out) if d]
-
-    def error(self, *values_args: str, **kw) -> str:
-        r = self.template(*values_args, check=False, **kw)
-        assert r.returncode != 0, f"helm template unexpectedly succeeded:\n{r.stdout[:2000]}"
-        return r.stderr
+from tests.helm_kit import (
+    CHART,
+    CI_VALUES,
+    CRD_KINDS,
+    HA_VALUES,
+    IMAGE,
+    RELEASE,
+    ROOT,
+    WITH_IMAGE,
+    Helm,
+    arg_after,
+    by_kind,
+    ensure_helm,
+    env_of,
+    kubernetes_validate,
+    pod_specs,
+    vllm_containers,
+)
 
 
 @pytest.fixture(scope="module")
@@ -107,57 +47,43 @@ def helm(tmp_path_factory) -> Helm:
     return Helm(ensure_helm(), tmp_path_factory.mktemp("helm"))
 
 
-def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
-
-
-def vllm_containers(docs: list[dict]) -> dict[str, dict]:
-    """deployment entry name -> its vllm container."""
-    out = {}
-    for d in by_kind(docs, "Deployment").values():
-        labels = d["spec"]["template"]["metadata"]["labels"]
-        if labels.get("app.kubernetes.io/component") == "vllm":
-            name = labels["mooncake-pooled-connector/deployment"]
-            out[name] = next(c for c in d["spec"]["template"]["spec"]["containers"]
-                             if c["name"] == "vllm")
-    return out
-
-
-def env_of(container: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in container.get("env", [])}
-
-
-def arg_after(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
-
-
-def pod_specs(docs: list[dict]):
-    for d in docs:
-        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
-            yield d["metadata"]["name"], d["spec"]["template"]["spec"]
-
-
-def kubernetes_validate(path: Path) -> subprocess.CompletedProcess:
-    exe = VENV_BIN / "kubernetes-validate"
-    if not exe.exists():
-        exe = shutil.which("kubernetes-validate")
-        if not exe:
-            pytest.fail("kubernetes-validate not installed; run scripts/setup_helm.sh")
-    return subprocess.run([str(exe), "--strict", "-k", KUBE_VERSION, str(path)],
-                          capture_output=True, text=True, timeout=120)
-
-
 # ---------------------------------------------------------------- lint and validation
 
 
-@pytest.mark.parametrize("values", [None, CI_VALUES], ids=["defaults", "three-deployments"])
+VALUE_SETS = pytest.mark.parametrize("values", [None, CI_VALUES, HA_VALUES],
+                                     ids=["defaults", "three-deployments", "ha"])
+
+
+@VALUE_SETS
 def test_lint_strict(helm, values):
-    args = ["lint", "--strict", str(CHART)] + (["-f", str(values)] if values else [])
+    args = ["lint", "--strict", str(CHART), *WITH_IMAGE] + (["-f", str(values)] if values else [])
     r = helm.run(*args)
     assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout
 
 
-@pytest.mark.parametrize("values", [None, CI_VALUES], ids=["defaults", "three-deployments"])
+IMAGE_ERROR = ("at '/image/repository': value must be 'the image you built from "
+               "docker/Dockerfile: set image.repository (helm/README.md, Build the image)'")
+
+
+@pytest.mark.parametrize("command", ["template", "install", "lint"])
+def test_no_image_is_refused_with_one_line(helm, command):
+    """No image set: every entry point fails at render time with one line naming
+    image.repository and where the image comes from."""
+    args = {"template": ["template", RELEASE, str(CHART)],
+            "install": ["install", RELEASE, str(CHART), "--dry-run=client"],
+            "lint": ["lint", "--strict", str(CHART)]}[command]
+    r = helm.run(*args, check=False)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    lines = [ln for ln in out.splitlines() if "image" in ln]
+    # lint reports it once for values.yaml and once for the templates
+    assert len(lines) == (2 if command == "lint" else 1), out
+    assert all(ln.endswith(IMAGE_ERROR) for ln in lines), out
+    # The values file says the same, so nobody wonders where the old placeholder went.
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["image"]["repository"] == ""
+
+
+@VALUE_SETS
 def test_rendered_output_passes_kubernetes_validate(helm, values, tmp_path):
     out = helm.template(*(["-f", str(values)] if values else [])).stdout
     rendered = tmp_path / "rendered.yaml"
@@ -187,6 +113,7 @@ def test_rendered_output_passes_yamllint(helm, tmp_path):
 def test_install_dry_run_client(helm):
     r = helm.run("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", "llm",
                  "-f", str(CI_VALUES))
+    assert "Network policies are on" not in r.stdout  # apiFrom is set
     assert "STATUS: pending-install" in r.stdout
     assert "VLLM_MOONCAKE_LOAD_RECV_THREADS=16" in r.stdout  # NOTES lists the thread counts
 
@@ -329,8 +256,7 @@ def test_master_image_override(helm):
                        "--set", "master.image.tag=v0.3.13")
     images = {n: s["containers"][0]["image"] for n, s in pod_specs(docs)}
     assert images[f"{RELEASE}-mooncake-pooled-connector-master"] == "mooncake/master:v0.3.13"
-    assert images[f"{RELEASE}-mooncake-pooled-connector-engine"] == \
-        "ghcr.io/example/vllm-mooncake-pooled-connector:0.1.0"
+    assert images[f"{RELEASE}-mooncake-pooled-connector-engine"] == f"{IMAGE}:0.1.0"
 
 
 def test_external_master_deploys_no_master(helm):
@@ -416,7 +342,7 @@ def test_template_rejects_inconsistent_values(helm, values, message):
 # ---------------------------------------------------------------- secure defaults
 
 
-@pytest.mark.parametrize("values", [None, CI_VALUES], ids=["defaults", "three-deployments"])
+@VALUE_SETS
 def test_secure_defaults(helm, values):
     docs = helm.render(*(["-f", str(values)] if values else []))
     specs = dict(pod_specs(docs))
@@ -432,7 +358,9 @@ def test_secure_defaults(helm, values):
             assert sc["privileged"] is False, name
             assert sc["capabilities"]["drop"] == ["ALL"], name
             for e in c.get("env", []):
-                if any(w in e["name"] for w in ("TOKEN", "KEY", "SECRET", "PASSWORD")):
+                if e["name"] == "HF_TOKEN_PATH":  # where the mounted Secret file is
+                    assert e["value"] == "/etc/hf-token/token", (name, e)
+                elif any(w in e["name"] for w in ("TOKEN", "KEY", "SECRET", "PASSWORD")):
                     assert "value" not in e, (name, e)
                     assert "secretKeyRef" in e["valueFrom"], (name, e)
     for sa in by_kind(docs, "ServiceAccount").values():
@@ -463,14 +391,25 @@ def test_ipc_lock_only_with_rdma(helm):
 
 
 def test_secrets_only_by_reference(helm):
-    docs = helm.render("--set", "secrets.hfToken.name=hf", "--set", "secrets.apiKey.name=api")
-    env = env_of(vllm_containers(docs)["engine"])
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    docs = helm.render("--set", "secrets.hfToken.name=hf", "--set", "secrets.hfToken.key=tok",
+                       "--set", "secrets.apiKey.name=api")
+    c = vllm_containers(docs)["engine"]
+    env = env_of(c)
+    # the HF token is a file huggingface_hub reads (HF_TOKEN_PATH), not an env var
+    assert "HF_TOKEN" not in env and env["HF_TOKEN_PATH"]["value"] == "/etc/hf-token/token"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "hf-token")
+    assert mount == {"name": "hf-token", "mountPath": "/etc/hf-token", "readOnly": True}
+    spec = next(d for d in by_kind(docs, "Deployment").values()
+                if "engine" in d["metadata"]["name"])["spec"]["template"]["spec"]
+    vol = next(v for v in spec["volumes"] if v["name"] == "hf-token")["secret"]
+    assert vol["secretName"] == "hf" and vol["items"] == [{"key": "tok", "path": "token"}]
+    assert vol["defaultMode"] == 0o440  # readable through the pod's fsGroup, by nobody else
     assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api", "key": "api-key"}
     assert not by_kind(docs, "Secret")
-    # unset: no credential env at all
-    env = env_of(vllm_containers(helm.render())["engine"])
-    assert "HF_TOKEN" not in env and "VLLM_API_KEY" not in env
+    # unset: no credential env or mount at all
+    c = vllm_containers(helm.render())["engine"]
+    assert not {"HF_TOKEN", "HF_TOKEN_PATH", "VLLM_API_KEY"} & set(env_of(c))
+    assert "hf-token" not in {m["name"] for m in c["volumeMounts"]}
 
 
 def test_run_as_root_is_possible_when_image_needs_it(helm):
@@ -478,28 +417,6 @@ def test_run_as_root_is_possible_when_image_needs_it(helm):
     for _, spec in pod_specs(docs):
         assert spec["securityContext"]["runAsNonRoot"] is False
         assert spec["securityContext"]["runAsUser"] == 0
-
-
-def test_network_policy(helm):
-    assert not by_kind(helm.render(), "NetworkPolicy")
-    docs = helm.render("-f", str(CI_VALUES))
-    (np,) = by_kind(docs, "NetworkPolicy").values()
-    master_labels = by_kind(docs, "Deployment")[f"{RELEASE}-mooncake-pooled-connector-master"][
-        "spec"]["template"]["metadata"]["labels"]
-    assert np["spec"]["policyTypes"] == ["Ingress"]
-    assert np["spec"]["podSelector"]["matchLabels"].items() <= master_labels.items()
-    release_rule, prom_rule = np["spec"]["ingress"]
-    peer = release_rule["from"][0]["podSelector"]["matchLabels"]
-    assert peer == {"app.kubernetes.io/name": "mooncake-pooled-connector",
-                    "app.kubernetes.io/instance": RELEASE}
-    # every vLLM and store-node pod of the release matches the peer selector
-    for _, spec_labels in ((n, d["spec"]["template"]["metadata"]["labels"])
-                           for n, d in by_kind(docs, "Deployment").items()):
-        assert peer.items() <= spec_labels.items()
-    assert sorted(p["port"] for p in release_rule["ports"]) == [8080, 9003, 50051]
-    assert prom_rule["from"][0]["namespaceSelector"]["matchLabels"] == \
-        {"kubernetes.io/metadata.name": "monitoring"}
-    assert [p["port"] for p in prom_rule["ports"]] == [9003]
 
 
 # ---------------------------------------------------------------- monitoring objects
@@ -592,7 +509,8 @@ def test_chart_renders_without_dashboard_files(helm, tmp_path):
     chart = tmp_path / "chart"
     shutil.copytree(CHART, chart)
     shutil.rmtree(chart / "dashboards", ignore_errors=True)
-    r = helm.run("install", RELEASE, str(chart), "--dry-run=client", "-f", str(CI_VALUES))
+    r = helm.run("install", RELEASE, str(chart), "--dry-run=client", *WITH_IMAGE,
+                 "-f", str(CI_VALUES))
     docs = [d for d in yaml.safe_load_all(r.stdout.split("NOTES:")[0].split("MANIFEST:")[-1])
             if d]
     assert not by_kind(docs, "PrometheusRule")
@@ -650,3 +568,20 @@ def test_readme_documents_every_value():
     missing += [k for k in schema["definitions"]["extraConfig"]["properties"]
                 if f"`{k}`" not in readme]
     assert not missing, f"document these values in helm/README.md: {missing}"
+
+
+def test_readme_walkthrough_values_install(helm, tmp_path):
+    """The my-values.yaml of helm/README.md's walkthrough installs (dry run) and validates."""
+    readme = (ROOT / "helm" / "README.md").read_text()
+    block = readme.split("`my-values.yaml`, with the values", 1)[1].split("```yaml\n", 1)[1]
+    values = tmp_path / "my-values.yaml"
+    values.write_text(block.split("```", 1)[0])
+    r = helm.run("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", "llm",
+                 "-f", str(values))
+    assert "STATUS: pending-install" in r.stdout
+    manifest = r.stdout.split("MANIFEST:", 1)[1].split("NOTES:", 1)[0]
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(manifest)
+    v = kubernetes_validate(rendered)
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert "Network policies are on" not in r.stdout  # the walkthrough names apiFrom

@@ -254,6 +254,7 @@ def metric_samples(url: str, name: str) -> list[float]:
 def smoke_values(model_dir: Path) -> dict:
     """Chart values for a CPU-sized deployment; everything the processes get comes from these."""
     return {
+        "image": {"repository": "local"},  # required; the processes run from .venv/bin
         "deployments": [{
             "name": "smoke",
             "model": str(model_dir),

@@ -30,3 +30,45 @@ def test_key_format_and_rank_namespaces():
     assert kb.all_rank_keys(H[:2]) == [kb.keys(H[:1], 0)[0], kb.keys(H[:1], 1)[0],
                                        kb.keys(H[1:2], 0)[0], kb.keys(H[1:2], 1)[0]]
     assert KeyBuilder("prod-b", BASE).keys(H[:1], 1) != kb.keys(H[:1], 1)
+
+
+def _caches(order: str, dtype=None):
+    """Two layers of [2, 64 blocks, 4 heads, 32 tokens, 16] with NHD or HND memory order."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    if order == "NHD":
+        return {f"l{i}": torch.zeros(2, 64, 4, 32, 16, dtype=dtype) for i in range(2)}
+    # same logical shape, heads and tokens swapped in memory
+    return {f"l{i}": torch.zeros(2, 64, 32, 4, 16, dtype=dtype).transpose(2, 3)
+            for i in range(2)}
+
+
+def test_layout_signature_tells_memory_orders_and_dtypes_apart():
+    import torch
+
+    from connector.keys import kv_signature
+
+    nhd, hnd = _caches("NHD"), _caches("HND")
+    assert next(iter(nhd.values())).shape == next(iter(hnd.values())).shape
+    sigs = {kv_signature(nhd, 64, "CPU_ATTN"), kv_signature(hnd, 64, "CPU_ATTN"),
+            kv_signature(_caches("NHD", torch.float16), 64, "CPU_ATTN"),
+            kv_signature(nhd, 64, "FLASH_ATTN")}
+    assert len(sigs) == 4
+    keys = [set(KeyBuilder("p", BASE).with_signature(s).all_rank_keys(H)) for s in sigs]
+    assert all(not a & b for i, a in enumerate(keys) for b in keys[i + 1:])
+
+
+def test_same_layout_same_keys_across_processes():
+    import subprocess
+    import sys
+
+    from connector.keys import kv_signature
+
+    code = ("from tests.test_keys import BASE, H, _caches; from connector.keys import "
+            "KeyBuilder, kv_signature; print(KeyBuilder('p', BASE).with_signature("
+            "kv_signature(_caches('HND'), 64, 'CPU_ATTN')).keys(H, 1)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONHASHSEED": "random", "PATH": ""}).stdout
+    here = KeyBuilder("p", BASE).with_signature(kv_signature(_caches("HND"), 64, "CPU_ATTN"))
+    assert out.strip() == here.keys(H, 1)[0]

@@ -37,7 +37,9 @@ def ask(sched, req, computed: int = 0, timeout: float = 10.0):
 def make(master, **extra) -> MooncakeStoreScheduler:
     cfg = load_config(master.store_config(**extra), environ={})
     keys = KeyBuilder("sched", Layout("m", "bfloat16", BS, 2, 32, 2, 2))  # TP=2
-    return MooncakeStoreScheduler(cfg, keys, BS)
+    s = MooncakeStoreScheduler(cfg, keys, BS)
+    s.set_kv_signature("CPU_ATTN;[2,B,2,32,32]o[0,1,2,3,4]bfloat16x2")  # the workers' handshake
+    return s
 
 
 @pytest.fixture
@@ -85,6 +87,14 @@ def test_failed_load_is_not_retried(sched, store_client):
     assert ask(sched, req) == (0, False)
 
 
+def step_output(new=(), num_scheduled=None):
+    return SimpleNamespace(
+        preempted_req_ids=set(), scheduled_new_reqs=list(new),
+        num_scheduled_tokens=num_scheduled or {},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[]))
+
+
 def test_blocks_held_while_loading_or_saved(sched, store_client):
     hs = hashes("hold", 2)
     store_blocks(store_client, sched, hs)
@@ -94,6 +104,40 @@ def test_blocks_held_while_loading_or_saved(sched, store_client):
     assert sched.request_finished(req, [1, 2, 3]) == (True, None)  # load still in flight
     idle = request("i", hashes("idle", 1), 10)
     assert sched.request_finished(idle, []) == (False, None)
+    # A request whose blocks are being saved is held until every rank reports the save done.
+    saved = request("s", hashes("saved", 3), 3 * BS + 1)
+    assert ask(sched, saved) == (0, False)
+    sched.update_state_after_alloc(saved, blocks([7, 8, 9, 10]), 0)
+    meta = sched.build_connector_meta(step_output(
+        [SimpleNamespace(req_id="s", block_ids=([7, 8, 9, 10],), num_computed_tokens=0)],
+        {"s": 3 * BS + 1}))
+    assert [(t.req_id, t.block_ids) for t in meta.saves] == [("s", (7, 8, 9))]
+    assert sched.request_finished(saved, [7, 8, 9, 10]) == (True, None)
+    assert sched.build_connector_meta(step_output()).free_after_jobs == ("s",)
+
+
+def test_lookup_wait_is_a_budget_per_step(master, store_node):
+    """vLLM asks about every waiting request in the same step: against a slow master (50 ms
+    round trips) a burst of 40 arrivals may hold the step for one budget, not 40."""
+    from bench.proxy import DelayProxy
+
+    proxy = DelayProxy(master.address, rtt_ms=50.0).start()
+    try:
+        s = make(master, master_server_address=proxy.address, lookup_wait_ms=5)
+        reqs = [request(f"b{i}", hashes(f"budget{i}", 4), 4 * BS + 1) for i in range(40)]
+        for r in reqs:
+            s.prefetch(r)  # on_new_request
+        for _ in range(3):  # three engine steps
+            t0 = time.perf_counter()
+            for r in reqs:
+                s.get_num_new_matched_tokens(r, 0)
+            took = time.perf_counter() - t0
+            assert s.step_waited_s <= 0.005 + 0.002, s.step_waited_s  # the scheduler's clock
+            assert took < 0.005 + 0.04, f"one step spent {took * 1e3:.0f} ms in lookups"
+            s.build_connector_meta(step_output())
+        s.shutdown()
+    finally:
+        proxy.stop()
 
 
 def test_lookup_error_and_timeout_are_misses():

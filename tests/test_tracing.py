@@ -99,3 +99,23 @@ def test_full_queue_drops_and_counts(traced, monkeypatch):
     assert exp.dropped == 7
     exp.shutdown()  # drains what was queued
     assert len([s for s in memory.get_finished_spans() if s.name == "mooncake.load"]) == 3
+
+
+def test_sdk_writer_of_our_own_uses_the_sampled_ids():
+    """The ids told to the metrics (exemplars) are the ids of the exported root span, through
+    the SDK too (its id generator hands over the ids the sampler chose)."""
+    memory = InMemorySpanExporter()
+    ids = tracing.PresetIds()
+    provider = TracerProvider(id_generator=ids)
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    told: list[tuple[str, str]] = []
+    exp = SpanExporter(1.0, 0, "test", writer=SdkWriter(provider, False, ids),
+                       on_traced=lambda ev, trace_id, span_id: told.append((trace_id, span_id)))
+    for _ in range(3):
+        exp.on_load(load_event())
+    exp.shutdown()
+    roots = [s for s in memory.get_finished_spans() if s.name == "mooncake.load"]
+    assert {(f"{s.context.trace_id:032x}", f"{s.context.span_id:016x}") for s in roots} == \
+        set(told) and len(told) == 3
+    kids = [s for s in memory.get_finished_spans() if s.name != "mooncake.load"]
+    assert len({s.context.span_id for s in kids + roots}) == len(kids) + len(roots)

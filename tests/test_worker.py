@@ -73,7 +73,8 @@ def test_missing_key_reports_exactly_its_blocks(make_worker, mode):
     assert errors == {42}
     assert w.recorder.snapshot().data["c"]["failures|0|load|-704"] == 1
     transfer = "staged" if mode == "staged" else "multibuffer"
-    assert any(k.startswith("layout_info|") and k.endswith(f"|{transfer}") for k in w._gauges())
+    assert any(k.startswith("layout_info|") and k.endswith(f"|{transfer}")
+               for k in w.recorder.current_gauges())
     for n, t in caches.items():  # the blocks that arrived are in place, block 42 untouched
         assert torch.equal(t[:, [40, 41, 43, 44, 45]], before[n][:, [0, 1, 3, 4, 5]])
         assert torch.equal(t[:, 42], before[n][:, 42])
@@ -81,9 +82,12 @@ def test_missing_key_reports_exactly_its_blocks(make_worker, mode):
 
 def test_too_small_buffer_reports_its_blocks(make_worker):
     big = make_worker(heads=2, prefix="small")
+    small = make_worker(heads=1, prefix="small")
+    # The layout fingerprint keeps the two apart; force a collision: the big worker writes
+    # its double-size blocks under the small one's keys.
+    big._keys = small._keys
     hs = hashes("small", 4)
     save(big, "seed", range(4), hs)
-    small = make_worker(heads=1, prefix="small")  # same keys, half-size blocks
     done, errors = run_step(small, StepMetadata(
         loads=(BlockTransfer("r", (10, 11, 12, 13), hs),)))
     assert done == {"r"} and errors == {10, 11, 12, 13}
@@ -121,7 +125,7 @@ def test_preemption_waits_for_inflight_saves(make_worker):
     meta = StepMetadata(saves=(BlockTransfer("p", tuple(range(48)), hs),))
     w.start_save(meta)
     w.wait_preempted(StepMetadata(preempted=("p",)))
-    assert not w._pending  # the save finished before the blocks could be reused
+    assert w.ledger.idle()  # the save finished before the blocks could be reused
 
 
 @pytest.fixture(scope="module")
@@ -162,18 +166,18 @@ def test_save_stuck_past_preemption_wait_is_abandoned(make_worker_on, own_cluste
         time.sleep(0.2)
         t0 = time.monotonic()
         w.wait_preempted(StepMetadata(preempted=("p",)))
-        assert time.monotonic() - t0 < 5 and w._pending["p"] == 1  # gave up; still stuck
+        assert time.monotonic() - t0 < 5 and w.ledger.in_flight("p")  # gave up; still stuck
     finally:
         os.kill(pid, signal.SIGCONT)
     deadline = time.monotonic() + 60
-    while w._pending:
+    while not w.ledger.idle():
         assert time.monotonic() < deadline, "the save never returned"
         time.sleep(0.05)
     c = w.recorder.snapshot().data["c"]
     assert c.get("failures|0|save|abandoned") == 1, c
     assert c.get("save_keys|0", 0) == 0
     assert all(e != 1 for e in w._connected().batch_is_exist(w._keys.keys(hs, 0)))
-    assert not w._abandoned  # forgotten once its last job ended
+    assert not w.ledger.is_abandoned("p")  # forgotten once its last job ended
 
 
 def test_long_request_split_across_threads(make_worker):

@@ -63,11 +63,15 @@ def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 3
     deadline = time.monotonic() + timeout
     while not want <= seen:
         assert time.monotonic() < deadline, f"requests never finished: {want - seen}"
-        errors |= worker.get_load_errors()  # polled before completions, as vLLM does
+        # As vLLM polls each step: completions first, then the failed blocks; both reach the
+        # scheduler in the same step's output.
         sending, recving = worker.get_finished()
+        errors |= worker.get_load_errors()
         seen |= (sending or set()) | (recving or set())
         time.sleep(0.005)
-    errors |= worker.get_load_errors()
+    time.sleep(0.02)
+    late = worker.get_load_errors()
+    assert not late, f"load errors reported after their request finished: {sorted(late)}"
     return seen, errors
 
 

@@ -78,22 +78,66 @@ app.kubernetes.io/part-of: {{ include "mpc.name" .root }}
 {{- printf "%s.%s.svc" (include "mpc.master.serviceName" .) .Release.Namespace }}
 {{- end }}
 
-{{/* host:port of the master RPC endpoint. */}}
+{{/* Masters deployed by the chart in HA mode (leader election through etcd). */}}
+{{- define "mpc.master.ha" -}}
+{{- if and (include "mpc.master.deployed" .) .Values.master.ha.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The chart deploys the single-member etcd (HA without master.ha.etcd.endpoints). */}}
+{{- define "mpc.etcd.bundled" -}}
+{{- if and (include "mpc.master.ha" .) (not .Values.master.ha.etcd.endpoints) }}true{{ end }}
+{{- end }}
+
+{{- define "mpc.etcd.name" -}}
+{{- printf "%s-etcd" (include "mpc.fullname" .) }}
+{{- end }}
+
+{{/* etcd endpoints as mooncake_master --etcd_endpoints takes them: host:port;host:port. */}}
+{{- define "mpc.etcd.endpoints" -}}
+{{- if .Values.master.ha.etcd.endpoints }}
+{{- join ";" .Values.master.ha.etcd.endpoints }}
+{{- else }}
+{{- printf "%s.%s.svc:%d" (include "mpc.etcd.name" .) .Release.Namespace (int .Values.master.ha.etcd.bundled.clientPort) }}
+{{- end }}
+{{- end }}
+
+{{/* The master RPC endpoint clients use: host:port, or etcd://<endpoints> for HA masters. */}}
 {{- define "mpc.master.address" -}}
 {{- if .Values.master.external.address }}
 {{- .Values.master.external.address }}
+{{- else if include "mpc.master.ha" . }}
+{{- printf "etcd://%s" (include "mpc.etcd.endpoints" .) }}
 {{- else }}
 {{- printf "%s:%d" (include "mpc.master.host" .) (int .Values.master.ports.rpc) }}
 {{- end }}
 {{- end }}
 
-{{/* URL of the master's HTTP metadata server. */}}
+{{/* The metadata server clients use: the master's HTTP one, or etcd for HA masters. */}}
 {{- define "mpc.master.metadataServer" -}}
 {{- if .Values.master.external.address }}
 {{- $host := regexReplaceAll ":[0-9]+$" .Values.master.external.address "" }}
 {{- default (printf "http://%s:8080/metadata" $host) .Values.master.external.metadataServer }}
+{{- else if include "mpc.master.ha" . }}
+{{- printf "etcd://%s" (include "mpc.etcd.endpoints" .) }}
 {{- else }}
 {{- printf "http://%s:%d/metadata" (include "mpc.master.host" .) (int .Values.master.ports.metadata) }}
+{{- end }}
+{{- end }}
+
+{{/* Env every Mooncake client (engine, store node) gets: the transfer engine's port range
+and, with HA masters, the cluster id they find the leader under. */}}
+{{- define "mpc.mooncakeEnv" -}}
+{{- $t := .Values.transferEngine }}
+{{- if gt (int $t.minPort) (int $t.maxPort) }}
+{{- fail (printf "transferEngine: minPort %d is above maxPort %d" (int $t.minPort) (int $t.maxPort)) }}
+{{- end }}
+- name: MC_MIN_RPC_PORT
+  value: {{ int $t.minPort | quote }}
+- name: MC_MAX_RPC_PORT
+  value: {{ int $t.maxPort | quote }}
+{{- if include "mpc.master.ha" . }}
+- name: MC_STORE_CLUSTER_ID
+  value: {{ .Values.master.ha.clusterId | quote }}
 {{- end }}
 {{- end }}
 
@@ -151,16 +195,13 @@ capabilities:
 {{- end }}
 {{- end }}
 
-{{/* Env vars holding credentials: only from Secrets. */}}
+{{/* Credentials, only from Secrets. The Hugging Face token is a file (HF_TOKEN_PATH, read by
+huggingface_hub), so it is not in the process environment; vLLM reads its API key only from
+VLLM_API_KEY (or the command line), so that one stays an env var from a secretKeyRef. */}}
 {{- define "mpc.secretEnv" -}}
-{{- with .Values.secrets.hfToken }}
-{{- if .name }}
-- name: HF_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ .name }}
-      key: {{ .key }}
-{{- end }}
+{{- if .Values.secrets.hfToken.name }}
+- name: HF_TOKEN_PATH
+  value: /etc/hf-token/token
 {{- end }}
 {{- with .Values.secrets.apiKey }}
 {{- if .name }}
