@@ -158,7 +158,8 @@ def known_series(tp_size: int) -> list[str]:
     keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens"]
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
-                 f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save"]
+                 f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
+                 f"master_failovers|{rank}", f"master_down_seconds|{rank}"]
         keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
                  if op != "lookup" or rank == 0]
     return keys
