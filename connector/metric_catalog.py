@@ -122,6 +122,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("failures", "counter", ("tp_rank", "op", "code"),
            "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (save given up at a preemption or deadline), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
+    # Master outages and HA failovers, as this rank's store client rode through them.
+    Family("master_failovers", "counter", _R, "HA master failovers this rank's store client rode through: its circuit breaker opened on an RPC failure and closed on a different leader.",
+           "Did the master group fail over, and did every engine follow the new leader?"),
+    Family("master_down_seconds", "counter", _R, "Time this rank's store client had no master answering (circuit breaker open: store jobs fail fast and vLLM recomputes); counted while it lasts.",
+           "How long was the cache unavailable during a master outage or failover?"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}
@@ -153,7 +158,8 @@ def known_series(tp_size: int) -> list[str]:
     keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens"]
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
-                 f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save"]
+                 f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
+                 f"master_failovers|{rank}", f"master_down_seconds|{rank}"]
         keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
                  if op != "lookup" or rank == 0]
     return keys

@@ -148,7 +148,8 @@ class StatsRecorder(Subscriber):
     """
 
     def __init__(self, tp_rank: int = 0, threads: int = 0,
-                 gauges: Callable[[], WorkerGauges] | None = None) -> None:
+                 gauges: Callable[[], WorkerGauges] | None = None,
+                 counters: Callable[[], dict[str, float]] | None = None) -> None:
         self._lock = threading.Lock()
         self._c: dict[str, float] = defaultdict(int)
         self._h: dict[str, list[float]] = defaultdict(list)
@@ -157,6 +158,7 @@ class StatsRecorder(Subscriber):
         self._last: list[tuple[LoadEvent | None, tuple[float, float | None]]] = \
             [(None, (0.0, None))] * threads
         self._gauges = gauges
+        self._counters = counters  # increments polled at each snapshot (not event-driven)
         self._last_gauges: dict[str, int] = {}
         self._gauge_sent_at = 0.0
         self._rank = tp_rank
@@ -271,9 +273,12 @@ class StatsRecorder(Subscriber):
 
     def snapshot(self) -> PooledStoreStats | None:
         """Hand over everything recorded since the last call (None when nothing happened)."""
+        polled = self._counters() if self._counters is not None else {}
         with self._lock:
             c, h, x = self._c, self._h, self._x
             self._c, self._h, self._x = defaultdict(int), defaultdict(list), defaultdict(list)
+        for k, v in polled.items():
+            c[k] += v
         g: dict[str, Any] = {}
         if self._gauges is not None:
             now = time.monotonic()

@@ -37,7 +37,7 @@ from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool, Ticket
 from connector.sampling import LookupProbe
 from connector.staging import BlockStager
-from connector.stats import StatsRecorder, WorkerGauges
+from connector.stats import StatsRecorder, WorkerGauges, stat_key
 from connector.store import (
     ABANDONED_CODE,
     EXCEPTION_CODE,
@@ -92,7 +92,8 @@ class MooncakeStoreWorker:
             config.on_master_unreachable, config.store_timeout_s)
         self.ledger = RequestLedger()
         self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads)
-        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges)
+        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges,
+                                      self._master_outage)
         self.pool: RecvPool[_Job] = RecvPool(
             config.load_threads, self._load, active=1 if config.load_threads_auto else None,
             deadline_s=config.load_timeout_s, on_expire=self._load_expired,
@@ -239,6 +240,12 @@ class MooncakeStoreWorker:
             staging_buffers=self.staging_buffers,
             layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
                     "staged" if self._staged else "multibuffer") if self._regions else None)
+
+    def _master_outage(self) -> dict[str, float]:
+        failovers, seconds = self._store.take_outage()
+        out = {stat_key("master_failovers", self.tp_rank): failovers,
+               stat_key("master_down_seconds", self.tp_rank): seconds}
+        return {k: v for k, v in out.items() if v}
 
     def _connected(self) -> Any:
         """The store client, or StoreDown when there is none or the breaker is open."""

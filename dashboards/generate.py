@@ -146,6 +146,46 @@ def rate_m(name: str) -> str:
 _BY_RANK = "pod, tp_rank"
 _RANK = "{{pod}} rank {{tp_rank}}"
 
+
+def master_ha_row() -> Row:
+    """Leader, standby lag and failovers of an HA master group (--enable_ha, etcd), from each
+    master's own metrics (scrape every master) and from the engines' store clients."""
+    state = master("ha_standby_state")
+    return Row("Mooncake master HA", (
+        P("Serving leader and following standbys", "short", (
+            (f"count({state} == 0) or vector(0)", "leader"),
+            (f"count({state} == 3) or vector(0)", "following standbys"),
+        ), "Masters that are not standbys (the leader; a master without HA counts too) and "
+           "standbys following the leader's oplog (state WATCHING). Healthy HA group: 1 and 1 "
+           "(alerts MooncakeMasterNoServingLeader, MooncakeMasterStandbyNotFollowing).",
+          kind="stat", width=6),
+        P("HA state per master", "short", ((f"max by (instance) ({state})", "{{instance}}"),),
+          "ha_standby_state: 0 leader (not a standby), 1 connecting, 2 syncing, 3 watching "
+          "(following), 4 recovering, 5 reconnecting, 6 promoting, 7 promoted, 8 failed. A "
+          "failover shows as the standby's line dropping from 3 to 0.", width=6, min=0),
+        P("Standby lag and applied oplog", "short", (
+            (f"max by (instance) ({master('ha_oplog_standby_lag')})", "lag {{instance}}"),
+            (f"max by (instance) (deriv({master('ha_oplog_applied_sequence_id')}"
+             f"[$__rate_interval]))", "applied/s {{instance}}"),
+        ), "Oplog entries each standby is behind the log it has read, and the rate at which it "
+           "applies entries. The leader of this Mooncake release exports no sequence of its own "
+           "(ha_oplog_last_sequence_id stays 0), so a standby that stopped following shows as "
+           "a flat applied line while the leader takes puts.", width=6),
+        P("Failovers", "short", (
+            (f"sum by (instance) (increase({master('ha_state_transitions_total')}"
+             f"[$__rate_interval]))", "HA state changes {{instance}}"),
+            (f"sum by (pod) (increase({series('master_failovers')}[$__rate_interval]))",
+             "ridden through {{pod}}"),
+        ), "State changes of each master's HA state machine (a promotion is several), and "
+           "failovers each engine's store client rode through (its breaker closed on a new "
+           "leader).", width=6),
+        P("Time without a master (engines)", "percentunit", (
+            (rate(series("master_down_seconds"), _BY_RANK), _RANK),
+        ), "Share of time each engine rank's store client had no master answering (breaker "
+           "open: loads and saves fail fast, vLLM recomputes). A leader kill costs ~10 s: "
+           "etcd lease ~5 s, leader warm-up ~5 s.", width=24, min=0),
+    ))
+
 LOAD_PIPELINE = Dash(
     uid="mooncake-pool-load",
     file="load-pipeline.json",
@@ -308,6 +348,7 @@ ERRORS_AND_STORE = Dash(
                   "put_start allocation"),), "Failed master RPCs (allocation failures: the "
                "pool is full and eviction cannot keep up).", width=12),
         )),
+        master_ha_row(),
     ),
 )
 
@@ -385,7 +426,7 @@ def build(d: Dash) -> dict:
          .editable().time("now-1h", "now").refresh("30s").timezone("browser")
          .tooltip(dm.DashboardCursorSync.CROSSHAIR)
          .timepicker(gd.TimePicker().refresh_intervals(["10s", "30s", "1m", "5m", "15m"])))
-    uses_master = any(re.search(r"(?<![\w:])master_", expr) for row in d.rows
+    uses_master = any(re.search(r"(?<![\w:])(master|ha)_", expr) for row in d.rows
                       for p in row.panels for expr, _ in p.targets)
     for v in _variables(uses_master):
         b = b.with_variable(v)
