@@ -31,6 +31,7 @@ from bench.testbed import Source, Testbed, intree_key_prefix, open_client, our_k
 from bench.workloads import Geometry, Request
 from connector.config import load_config
 from connector.metadata import BlockTransfer, StepMetadata
+from connector.stats import parse_key
 from connector.worker import MooncakeStoreWorker
 
 
@@ -68,13 +69,14 @@ class PhaseTotals:
 
     def add(self, data: dict[str, Any]) -> None:
         for key, samples in data.get("h", {}).items():
-            fam = key.split("|", 1)[0]
-            if fam in self.FAMILIES:
-                self.sums[fam] += sum(samples)
-                self.counts[fam] += len(samples)
+            fam, _ = parse_key(key)
+            if fam.key in self.FAMILIES:
+                self.sums[fam.key] += sum(samples)
+                self.counts[fam.key] += len(samples)
         for key, v in data.get("c", {}).items():
-            if key.startswith("load_jobs|"):
-                self.jobs_per_thread[key.split("|")[2]] += int(v)
+            fam, labels = parse_key(key)
+            if fam.key == "load_jobs":
+                self.jobs_per_thread[labels["thread"]] += int(v)
 
     def shares(self) -> dict[str, float | None]:
         """Fraction of summed request-job time (enqueue to end) in each phase.
@@ -134,7 +136,7 @@ class OursDriver:
                                           geometry.num_blocks)
         self.worker.register_kv_caches(caches)
         if subscribers is not None:  # replace the default [StatsRecorder]
-            self.worker.subscribers = []
+            self.worker.events.subscribers = []
             for sub in subscribers:
                 self.worker.add_subscriber(sub)
         self._phases = PhaseTotals()
@@ -145,12 +147,12 @@ class OursDriver:
             BlockTransfer(r.req_id, r.dst, tuple(h[i] for i in r.src)) for r in requests)))
 
     def poll(self) -> tuple[set[str], set[int]]:
-        errors = self.worker.get_load_errors()  # before completions, as vLLM polls
-        _, done = self.worker.get_finished()
+        _, done = self.worker.get_finished()  # completions, then failed blocks, as vLLM polls
+        errors = self.worker.get_load_errors()
         return done or set(), errors
 
     def collect(self) -> None:
-        if self.worker.recorder in self.worker.subscribers:
+        if self.worker.recorder in self.worker.events.subscribers:
             snap = self.worker.recorder.snapshot()
             if snap is not None:
                 self._phases.add(snap.data)

@@ -185,7 +185,7 @@ def per_event_cost_us(writers: _Writers, threads: int) -> dict[str, float]:
     import time
 
     t = time.perf_counter()
-    ev = LoadEvent(thread=0, tp_rank=0, trace_id="0123456789abcdef", keys=4, nbytes=4 << 17,
+    ev = LoadEvent(thread=0, tp_rank=0, request_hash="0123456789abcdef", keys=4, nbytes=4 << 17,
                    failed_blocks=0, code="", t_enqueue=t, t_start=t + 1e-4,
                    t_prepared=t + 2e-4, t_lookup_end=t + 2e-4, t_end=t + 1e-3,
                    lookup_sampled=False)
@@ -232,7 +232,7 @@ def instrumentation_cost(testbed: Testbed, geometry: Geometry, caches: dict[str,
         alternate(drivers, workload, rounds, duration_s, 20, testbed, source, caches,
                    geometry.block_bytes, comp, guard)
         for d in drivers.values():
-            _flush(d.worker.subscribers)
+            _flush(d.worker.events.subscribers)
         comp.notes["spans_exported"], comp.notes["spans_export_failed"] = writers.counts()
         summary = comp.summary()
         # CPU model: jobs/s at the 'off' throughput x extra CPU per job, as a share of the

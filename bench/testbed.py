@@ -24,8 +24,7 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def our_keys(geometry: Geometry, prefix: str = PREFIX) -> KeyBuilder:
-    """The keys the connector's worker uses once it has registered this geometry's caches (the
-    fingerprint includes the registered memory's signature)."""
+    """The keys our worker uses for these caches (signed with their registered layout)."""
     layout = Layout(INTREE_MODEL, str(geometry.dtype).removeprefix("torch."),
                     geometry.block_tokens, geometry.kv_heads, geometry.head_size,
                     geometry.layers, 1)

@@ -50,7 +50,7 @@ class Geometry:
         return f"{self.layers}x{self.region_bytes // 1024}KiB"
 
     def make_caches(self, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The KV tensors (zeroed; on `meta` only their shapes, for the key signature)."""
+        """The KV caches (device "meta": shapes and strides only, for the key signature)."""
         shape = (self.num_blocks, self.kv_heads, self.block_tokens, 2 * self.head_size)
         return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=self.dtype,
                                                                 device=device)

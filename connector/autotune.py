@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median
 
-from connector.events import LoadEvent, LookupEvent, SaveEvent
+from connector.events import LoadEvent, Subscriber
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -161,7 +161,7 @@ def _ratio(probe: float, baseline: float) -> float:
     return float("inf") if probe > 0 else 1.0
 
 
-class ThreadTuner:
+class ThreadTuner(Subscriber):
     """Subscriber + tuner thread that applies `HillClimber` to a receive pool."""
 
     def __init__(self, threads: int, set_active: Callable[[int], None],
@@ -186,12 +186,6 @@ class ThreadTuner:
         s[1] += ev.nbytes
         s[2] += ev.t_start - ev.t_enqueue
         s[3] += ev.t_end - ev.t_start
-
-    def on_save(self, ev: SaveEvent) -> None:
-        pass
-
-    def on_lookup(self, ev: LookupEvent) -> None:
-        pass
 
     def _totals(self) -> list[float]:
         return [sum(s[i] for s in self._slots) for i in range(4)]

@@ -31,6 +31,10 @@ RECV_THREADS_ENV = "VLLM_MOONCAKE_LOAD_RECV_THREADS"
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 EXTRA = "kv_connector_extra_config"
 MAX_RECV_THREADS = 64
+ETCD_SCHEME = "etcd://"
+# The Mooncake client reads the HA cluster id from this variable (default "mooncake_cluster",
+# as the masters' --cluster_id); the connector exports cluster_id there when it is unset.
+CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"
 
 
 class ConfigError(ValueError):
@@ -78,11 +82,15 @@ class Key:
 _PAY = "a thread is added only if it pays 5 %; see connector/autotune.py"
 KEYS: tuple[Key, ...] = (
     # Mooncake fields: extra_config or the MOONCAKE_CONFIG_PATH file.
-    Key("master_server_address", "text", None, "Mooncake master RPC `host:port`",
-        mooncake=True),
+    Key("master_server_address", "text", None, "Mooncake master RPC `host:port`, or "
+        "`etcd://h1:2379[,h2:2379]` for an HA master group (see Reliability)", mooncake=True),
     Key("metadata_server", "text", None,
-        "e.g. `http://master:8080/metadata` (the master's HTTP metadata server)",
-        mooncake=True),
+        "e.g. `http://master:8080/metadata` (the master's HTTP metadata server), or "
+        "`etcd://h1:2379[,h2:2379]`", mooncake=True),
+    Key("cluster_id", "text", "", "HA only: the masters' `--cluster_id`; exported as "
+        f"`{CLUSTER_ID_ENV}` (which the Mooncake client reads) when that is unset, an error "
+        "when it is set to another value", env=CLUSTER_ID_ENV, mooncake=True,
+        shown=f"env `{CLUSTER_ID_ENV}`, else Mooncake's `mooncake_cluster`"),
     Key("protocol", "choice", "tcp", "`tcp` or `rdma`", choices=("tcp", "rdma"),
         mooncake=True, fix="rdma needs device_name"),
     Key("device_name", "text", "", "RDMA device(s), required for `rdma`", mooncake=True),
@@ -140,10 +148,12 @@ KEYS: tuple[Key, ...] = (
     Key("enable_load", "bool", True, "load prefixes from the store"),
     Key("save_decode_tokens", "bool", False, "also store blocks filled by generated tokens"),
     Key("master_lookup_sample_ratio", "float", 0.1,
-        "share of load jobs whose master lookup is timed separately (see Observability)",
+        "share of load jobs whose master lookup is timed separately, besides each thread's "
+        "first job and one every 5 s (see Observability)",
         lo=0, hi=1),
-    Key("trace_sample_ratio", "float", None, "share of jobs traced (overrides the OTel "
-        "sampler variables)", lo=0, hi=1, shown="`OTEL_TRACES_SAMPLER_ARG`, else 0.05"),
+    Key("trace_sample_ratio", "float", None, "share of jobs traced "
+        "(`parentbased_traceidratio`); overrides the OTel sampler variables", lo=0, hi=1,
+        shown="from `OTEL_TRACES_SAMPLER[_ARG]`, else 0.05"),
     Key("on_master_unreachable", "choice", "fail",
         "`fail`: refuse to start; `degrade`: serve without the cache and reconnect in the "
         "background", choices=("fail", "degrade"),
@@ -247,6 +257,13 @@ class StoreConfig:
     local_buffer_size: int = _d("local_buffer_size")
     replica_num: int = _d("replica_num")
     transfer_timeout: float | None = _d("transfer_timeout")
+    # HA master group (master_server_address etcd://...): the masters' --cluster_id, or ""
+    # for Mooncake's default. Exported as MC_STORE_CLUSTER_ID before the client is set up.
+    cluster_id: str = _d("cluster_id")
+
+    @property
+    def ha(self) -> bool:
+        return self.master_server_address.startswith(ETCD_SCHEME)
 
 
 @dataclass(frozen=True)
@@ -318,7 +335,50 @@ def _host_port(value: str, field_name: str) -> str:
     return value
 
 
+def etcd_endpoints(url: str, field_name: str) -> list[str]:
+    """The host:port list of an ``etcd://h1:p1[,h2:p2]`` address (`;` separates too, as in
+    the masters' --etcd_endpoints)."""
+    eps = [e.strip() for e in re.split(r"[,;]", url[len(ETCD_SCHEME):])]
+    if not all(re.match(r"^[^:\s,;/]+:\d{1,5}$", e) for e in eps):
+        raise ConfigError(f"{field_name}: expected etcd://host:port[,host:port] (the etcd "
+                          f"endpoints of the HA masters), got {url!r}")
+    return eps
+
+
+def _master_address(value: str, field_name: str) -> str:
+    if value.startswith(ETCD_SCHEME):
+        etcd_endpoints(value, field_name)
+        return value
+    try:
+        return _host_port(value, field_name)
+    except ConfigError:
+        raise ConfigError(f"{field_name}: expected host:port (one master, port 1..65535) or "
+                          f"etcd://host:port[,host:port] (an HA master group), got {value!r}"
+                          ) from None
+
+
+def _cluster_id(cid: str, field_name: str, master: str, environ: Mapping[str, str]) -> str:
+    """The HA cluster id; it must agree with MC_STORE_CLUSTER_ID, which the client reads."""
+    env = environ.get(CLUSTER_ID_ENV, "")
+    if not cid or field_name == CLUSTER_ID_ENV:  # unset, or taken from the variable itself
+        return cid if master.startswith(ETCD_SCHEME) else ""
+    if not master.startswith(ETCD_SCHEME):
+        raise ConfigError(f"{field_name}: only used with an HA master group; set "
+                          "master_server_address to etcd://host:port or remove cluster_id")
+    if not re.match(r"^[A-Za-z0-9._-]+$", cid):
+        raise ConfigError(f"{field_name}: {cid!r} is not a cluster id; use the masters' "
+                          "--cluster_id (letters, digits, '.', '_', '-')")
+    if env and env != cid:
+        raise ConfigError(f"{field_name}: {cid!r} differs from {CLUSTER_ID_ENV}={env!r} in the "
+                          "environment, which the Mooncake client uses; make them equal or "
+                          "unset one")
+    return cid
+
+
 def _metadata_url(value: str, field_name: str) -> str:
+    if value.startswith(ETCD_SCHEME):
+        etcd_endpoints(value, field_name)
+        return value
     url = urllib.parse.urlparse(value)
     try:
         url.port  # noqa: B018 - raises on a port outside 0..65535
@@ -367,8 +427,10 @@ def load_config(
 
     store = StoreConfig(
         metadata_server=_metadata_url(value("metadata_server"), where("metadata_server")),
-        master_server_address=_host_port(value("master_server_address"),
-                                         where("master_server_address")),
+        master_server_address=_master_address(value("master_server_address"),
+                                              where("master_server_address")),
+        cluster_id=_cluster_id(value("cluster_id"), where("cluster_id"),
+                               value("master_server_address"), environ),
         protocol=value("protocol"),
         device_name=value("device_name"),
         local_hostname=value("local_hostname"),

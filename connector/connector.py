@@ -92,12 +92,14 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
             tp_rank = vllm_config.parallel_config.rank % tp_size
         self.worker = MooncakeStoreWorker(self.config, self.keys, tp_rank,
                                           kv_cache_config.num_blocks)
-        from connector.tracing import SpanExporter, sample_ratio, tracing_enabled
+        from connector.sampling import TraceSampler
+        from connector.tracing import SpanExporter, tracing_enabled
 
         if tracing_enabled():
-            ratio = sample_ratio(self.config.trace_sample_ratio)
-            if ratio > 0:
-                self.worker.add_subscriber(SpanExporter(ratio, tp_rank, "worker"))
+            sampler = TraceSampler.configured(self.config.trace_sample_ratio)
+            if not sampler.never:
+                self.worker.add_subscriber(SpanExporter(
+                    sampler, tp_rank, "worker", on_traced=self.worker.recorder.traced_load))
         logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
                     "keys %s", tp_rank, tp_size,
                     f"auto 1..{self.config.load_threads}" if self.config.load_threads_auto

@@ -8,8 +8,11 @@ Timestamps are `time.perf_counter()` seconds.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 @dataclass(slots=True)
@@ -18,7 +21,7 @@ class LoadEvent:
 
     thread: int
     tp_rank: int
-    trace_id: str
+    request_hash: str  # a digest of the request id: span attribute, never a metric label
     keys: int
     nbytes: int
     failed_blocks: int
@@ -41,7 +44,7 @@ class SaveEvent:
     """One finished save job."""
 
     tp_rank: int
-    trace_id: str
+    request_hash: str
     keys: int
     skipped: int
     nbytes: int
@@ -67,9 +70,42 @@ class LookupEvent:
     code: str = ""
 
 
-class Subscriber(Protocol):
-    def on_load(self, ev: LoadEvent) -> None: ...
+class Subscriber:
+    """Receives every event; override what you need (the rest do nothing). Called on the
+    thread that finished the job: keep it short, and never raise into the data path."""
 
-    def on_save(self, ev: SaveEvent) -> None: ...
+    def on_load(self, ev: LoadEvent) -> None:
+        """A load job ended (receive thread, or the watchdog for an expired one)."""
 
-    def on_lookup(self, ev: LookupEvent) -> None: ...
+    def on_save(self, ev: SaveEvent) -> None:
+        """A save job ended."""
+
+    def on_lookup(self, ev: LookupEvent) -> None:
+        """A scheduler lookup's answer was used."""
+
+
+class Publisher:
+    """The subscribers of one side (worker or scheduler), and the one way events reach them:
+    a subscriber that raises is logged, never allowed to break the job that published."""
+
+    def __init__(self, *subscribers: Subscriber) -> None:
+        self.subscribers: list[Subscriber] = list(subscribers)
+
+    def add(self, sub: Subscriber) -> None:
+        self.subscribers.append(sub)
+
+    def _each(self, method: str, ev: Any) -> None:
+        for sub in self.subscribers:
+            try:
+                getattr(sub, method)(ev)
+            except Exception:  # observability must never break the data path
+                logger.exception("subscriber %r failed", sub)
+
+    def load(self, ev: LoadEvent) -> None:
+        self._each("on_load", ev)
+
+    def save(self, ev: SaveEvent) -> None:
+        self._each("on_save", ev)
+
+    def lookup(self, ev: LookupEvent) -> None:
+        self._each("on_lookup", ev)

@@ -20,7 +20,6 @@ class BlockTransfer:
     req_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
-    trace_id: str = ""  # hashed request id, for span attributes (never a metric label)
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.block_hashes):
@@ -36,7 +35,7 @@ class BlockTransfer:
         if max_blocks <= 0 or n <= max_blocks:
             return [self]
         return [BlockTransfer(self.req_id, self.block_ids[i:i + max_blocks],
-                              self.block_hashes[i:i + max_blocks], self.trace_id)
+                              self.block_hashes[i:i + max_blocks])
                 for i in range(0, n, max_blocks)]
 
 

@@ -2,7 +2,9 @@
 
 `prom.py` builds the metric objects from it, the dashboards and alert rules are checked
 against it, and the README table is generated from it, so a name cannot drift between them.
-Every family also carries vLLM's own `model_name` and `engine` labels.
+Every family also carries vLLM's own `model_name` and `engine` labels. `cache_prefix` (the
+tenant) is filled in by the frontend from the connector's config, not carried in the stats.
+`known_series` lists the series exported as 0 from startup.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class Family:
     @property
     def exported(self) -> str:
         return self.name + ("_total" if self.kind == "counter" else "")
+
+    @property
+    def stats_labels(self) -> tuple[str, ...]:
+        """The labels whose values the stats keys carry (the rest come from the config)."""
+        return tuple(label for label in self.labels if label not in CONFIG_LABELS)
+
+
+CONFIG_LABELS = ("cache_prefix",)
 
 
 _T = ("tp_rank", "thread")
@@ -93,12 +103,12 @@ FAMILIES: tuple[Family, ...] = (
            "Does the lookup slow the scheduler?"),
     Family("lookup_keys", "counter", (), "Keys probed by scheduler lookups.",
            "How much lookup traffic does the master get?"),
-    Family("lookups", "counter", ("result",), "Scheduler lookups by result: hit, miss, error or timeout.",
-           "Does the store find prefixes at all?"),
-    Family("lookup_hit_tokens", "counter", (), "Prompt tokens found in the store.",
+    Family("lookups", "counter", ("cache_prefix", "result"), "Scheduler lookups by result: hit, miss, error or timeout; cache_prefix is the tenant's key prefix.",
+           "Does the store find prefixes at all, for each tenant?"),
+    Family("lookup_hit_tokens", "counter", ("cache_prefix",), "Prompt tokens found in the store.",
            "How much prefill does the store save?"),
-    Family("lookup_miss_tokens", "counter", (), "Prompt tokens looked up but not found.",
-           "What is the token hit rate?"),
+    Family("lookup_miss_tokens", "counter", ("cache_prefix",), "Prompt tokens looked up but not found (tokens queried = hit + miss).",
+           "What is the token hit rate per deployment and tenant?"),
     # Deadlines and thread health.
     Family("threads_stuck", "gauge", ("tp_rank", "op"), "Job threads (op load or save) retired while stuck in a store call past their deadline, still waiting for the call to return (bounded by the pool size).",
            "Is a store node or the master frozen under in-flight calls?"),
@@ -112,9 +122,47 @@ FAMILIES: tuple[Family, ...] = (
     Family("failures", "counter", ("tp_rank", "op", "code"),
            "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (save given up at a preemption or deadline), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
+    # Master outages and HA failovers, as this rank's store client rode through them.
+    Family("master_failovers", "counter", _R, "HA master failovers this rank's store client rode through: its circuit breaker opened on an RPC failure and closed on a different leader.",
+           "Did the master group fail over, and did every engine follow the new leader?"),
+    Family("master_down_seconds", "counter", _R, "Time this rank's store client had no master answering (circuit breaker open: store jobs fail fast and vLLM recomputes); counted while it lasts.",
+           "How long was the cache unavailable during a master outage or failover?"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}
+
+# Histograms whose samples of traced jobs carry OpenMetrics exemplars with these labels (the
+# ids of the job's `mooncake.load` span).
+EXEMPLAR_FAMILIES = ("load_job_seconds", "load_transfer_seconds")
+EXEMPLAR_LABELS = ("trace_id", "span_id")
+
+LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
+# (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
+# values, "unavailable" while the store is not connected, timeout and shutdown from the job
+# pools' watchdog, exception, abandoned, other).
+_RPC = ("-900", "-901")
+KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
+    *(("load", c) for c in ("-704", "-600", "-800", *_RPC, "unavailable", "timeout",
+                            "shutdown", "exception", "other")),
+    *(("save", c) for c in ("-200", "-800", *_RPC, "unavailable", "timeout", "shutdown",
+                            "exception", "abandoned", "other")),
+    *(("save_exists", c) for c in _RPC),
+    *(("save_remove", c) for c in (*_RPC, "other")),
+    *(("lookup", c) for c in (*_RPC, "unavailable", "exception")),
+)
+
+
+def known_series(tp_size: int) -> list[str]:
+    """Stats keys exported as 0 from startup, so dashboards show 0 rather than "No data" and
+    rate() alerts work from the first scrape. Lookups run on the scheduler (rank 0 labels)."""
+    keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens"]
+    for rank in range(tp_size):
+        keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
+                 f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
+                 f"master_failovers|{rank}", f"master_down_seconds|{rank}"]
+        keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
+                 if op != "lookup" or rank == 0]
+    return keys
 
 
 def markdown_table() -> str:

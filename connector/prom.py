@@ -3,6 +3,13 @@
 Runs in vLLM's API-server process, on stats already aggregated across TP ranks. The metric
 classes are the ones vLLM injects (Ray swaps in wrappers), and every family has the `vllm:`
 prefix so vLLM's collector cleanup covers it when the logger is rebuilt.
+
+Exemplars: samples of traced jobs (the payload's "x") are observed with their trace and span ids
+as exemplars, which prometheus_client serves when the scraper negotiates OpenMetrics. That is
+vLLM's ASGI mount at `/metrics/` (the trailing slash): plain `/metrics` is answered by
+prometheus-fastapi-instrumentator, which always writes the text format. Not with Ray's metric
+wrappers (no exemplar argument) nor with several API servers (the multiprocess collector does
+not carry exemplars).
 """
 
 from __future__ import annotations
@@ -12,7 +19,15 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from connector.metric_catalog import BY_KEY, FAMILIES, LATENCY_BUCKETS, Family
+from connector.config import ConfigError, ConnectorConfig, load_config
+from connector.metric_catalog import (
+    EXEMPLAR_LABELS,
+    FAMILIES,
+    LATENCY_BUCKETS,
+    Family,
+    known_series,
+)
+from connector.stats import parse_key
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -24,13 +39,34 @@ def _registered(name: str) -> Any:
     return REGISTRY._names_to_collectors.get(name)  # noqa: SLF001 - no public lookup exists
 
 
+def _cache_prefix(vllm_config: Any) -> str:
+    """The tenant label: the connector's cache_prefix (the default when the config is odd; the
+    worker and scheduler report a bad config themselves)."""
+    try:
+        return load_config(vllm_config.kv_transfer_config.kv_connector_extra_config).cache_prefix
+    except (AttributeError, ConfigError):
+        return ConnectorConfig.cache_prefix
+
+
 class PooledStorePromMetrics(KVConnectorPromMetrics):
-    """Creates every family once; `observe` only looks up cached label children."""
+    """Creates every family once, and the known series at 0; `observe` only looks up cached
+    label children."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        from prometheus_client import Histogram
+
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics = {f.key: self._create(f, list(labelnames)) for f in FAMILIES}
         self._children: dict[tuple[str, int], Any] = {}
+        self._unknown: set[str] = set()
+        self._config_labels = {"cache_prefix": _cache_prefix(vllm_config)}
+        self._exemplars = isinstance(self._histogram_cls, type) and \
+            issubclass(self._histogram_cls, Histogram)  # Ray's wrappers take no exemplar
+        tp_size = getattr(getattr(vllm_config, "parallel_config", None),
+                          "tensor_parallel_size", 1)
+        for engine_idx in self.per_engine_labelvalues:
+            for key in known_series(tp_size):
+                self._child(key, engine_idx)
 
     def _create(self, fam: Family, base_labels: list[str]) -> Any:
         labels = base_labels + list(fam.labels)
@@ -57,13 +93,18 @@ class PooledStorePromMetrics(KVConnectorPromMetrics):
     def _child(self, key: str, engine_idx: int) -> Any:
         child = self._children.get((key, engine_idx))
         if child is None:
-            fam_key, *values = key.split("|")
-            fam = BY_KEY.get(fam_key)
-            if fam is None or len(values) != len(fam.labels):
-                logger.debug("ignoring unknown stats key %r", key)
+            parsed = parse_key(key)
+            if parsed is None:  # a worker of another connector version: say so, once
+                if key not in self._unknown:
+                    self._unknown.add(key)
+                    logger.warning("ignoring stats key %r: not in this connector's metric "
+                                   "catalogue (mixed versions?)", key)
                 return None
+            fam, values = parsed
             base = self.per_engine_labelvalues[engine_idx]
-            child = self._metrics[fam_key].labels(*base, *values)
+            child = self._metrics[fam.key].labels(
+                *base, *(self._config_labels.get(label) or values[label]
+                         for label in fam.labels))
             self._children[(key, engine_idx)] = child
         return child
 
@@ -77,6 +118,15 @@ class PooledStorePromMetrics(KVConnectorPromMetrics):
             if child is not None:
                 for v in values:
                     child.observe(v)
+        for key, exemplars in transfer_stats_data.get("x", {}).items():
+            child = self._child(key, engine_idx)
+            if child is not None:
+                for v, trace_id, span_id in exemplars:
+                    if self._exemplars:
+                        child.observe(v, dict(zip(EXEMPLAR_LABELS, (trace_id, span_id),
+                                                  strict=True)))
+                    else:
+                        child.observe(v)
         for key, value in transfer_stats_data.get("g", {}).items():
             child = self._child(key, engine_idx)
             if child is not None:

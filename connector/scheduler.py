@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.events import LookupEvent
+from connector.events import LookupEvent, Publisher
 from connector.keys import KeyBuilder
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.stats import StatsRecorder
@@ -70,6 +70,7 @@ class MooncakeStoreScheduler:
         self._saved: set[str] = set()
         self._free_after: list[str] = []
         self.recorder = StatsRecorder()
+        self.events = Publisher(self.recorder)
         # vLLM asks about every waiting request in one step: the wait for lookups is a budget
         # per step (reset in build_connector_meta), not per request.
         self._step_budget_s = config.lookup_wait_ms / 1e3
@@ -119,7 +120,7 @@ class MooncakeStoreScheduler:
     def _poll_lookup(self, rid: str, hashes: Sequence[bytes]) -> int | None:
         lk = self._submit(rid, hashes)
         if lk is None:
-            self.recorder.on_lookup(LookupEvent(
+            self.events.lookup(LookupEvent(
                 "error", 0, 0, len(hashes) * self._block_size, 0.0,
                 self._store.down_code or "unavailable"))
             return 0
@@ -127,13 +128,13 @@ class MooncakeStoreScheduler:
         try:
             wait = max(0.0, self._step_budget_s - self.step_waited_s)
             hit_tokens, event = lk.future.result(timeout=wait)
-            self.recorder.on_lookup(event)  # counted when used, so a timed-out one counts once
+            self.events.lookup(event)  # counted when used, so a timed-out one counts once
             return hit_tokens
         except cf.TimeoutError:
             if time.perf_counter() - lk.started < self.config.lookup_timeout_s:
                 return None
             del self._lookups[rid]
-            self.recorder.on_lookup(LookupEvent("timeout", 0, 0, len(hashes) * self._block_size,
+            self.events.lookup(LookupEvent("timeout", 0, 0, len(hashes) * self._block_size,
                                                 time.perf_counter() - lk.started))
             logger.warning("store lookup exceeded lookup_timeout_s=%.3fs; treating as a miss",
                            self.config.lookup_timeout_s)

@@ -1,23 +1,32 @@
-"""Opening a Mooncake store client, and naming its error codes.
+"""Opening a Mooncake store client, naming its error codes, and riding out master outages.
 
 `MooncakeDistributedStore.setup()` retries for ~90 s while holding the GIL when the master is
 down, so we probe the master's RPC port and metadata server first and fail (or degrade) with a
 message that names the field, instead of freezing the engine.
+
+With an HA master group (`master_server_address: etcd://...`) the leader is the address that
+etcd holds under `mooncake-store/<cluster id>/master_view`; the client follows it by itself.
+While no leader serves (measured here: ~5 s etcd lease, then ~5 s leader warm-up), each store
+call blocks ~4.3 s and returns -900, so the breaker below fails jobs at once instead, and one
+probe thread watches etcd for the new leader before it spends a call on it.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from connector.config import ConfigError, StoreConfig
+from connector.config import CLUSTER_ID_ENV, ConfigError, StoreConfig, etcd_endpoints
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -45,6 +54,9 @@ SHUTDOWN_CODE = "shutdown"
 # Codes that mean the master itself is gone: stop calling it until a probe says it is back.
 MASTER_DOWN_CODES = frozenset({-900, -901})
 PROBE_KEY = "__mcpool_probe__"
+RPC_TIMEOUT_ENV, RPC_CONNECT_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS"
+# Both the masters and the client use this id when none is given.
+DEFAULT_CLUSTER_ID = "mooncake_cluster"
 
 
 class StoreUnavailable(ConfigError):
@@ -59,17 +71,71 @@ def _probe_tcp(host: str, port: int, timeout: float) -> str | None:
         return e.strerror or str(e)
 
 
-def check_reachable(cfg: StoreConfig, timeout: float) -> None:
-    """Raise StoreUnavailable naming the field whose endpoint does not answer."""
-    host, port = cfg.master_server_address.rsplit(":", 1)
+def _probe_any(endpoints: list[str], timeout: float) -> tuple[str | None, str | None]:
+    """(the first endpoint that accepts a connection, else None; the last error)."""
+    err = None
+    for ep in endpoints:
+        host, port = ep.rsplit(":", 1)
+        err = _probe_tcp(host, int(port), timeout)
+        if err is None:
+            return ep, None
+    return None, err
+
+
+def cluster_id(cfg: StoreConfig) -> str:
+    """The HA cluster id the client will use (load_config made the config and env agree)."""
+    return os.environ.get(CLUSTER_ID_ENV) or cfg.cluster_id or DEFAULT_CLUSTER_ID
+
+
+def etcd_leader(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
+    """(the leader an HA group publishes in etcd, "" while none; why it cannot be read)."""
+    ep, err = _probe_any(etcd_endpoints(cfg.master_server_address, "master_server_address"),
+                         timeout)
+    if ep is None:
+        return "", f"no etcd endpoint of {cfg.master_server_address} answers ({err})"
+    key = base64.b64encode(f"mooncake-store/{cluster_id(cfg)}/master_view".encode()).decode()
+    req = urllib.request.Request(f"http://{ep}/v3/kv/range", data=json.dumps({"key": key}).encode())
+    try:  # etcd's JSON gateway: no etcd client library needed
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            kvs = json.loads(r.read()).get("kvs", [])
+    except (OSError, ValueError) as e:
+        return "", f"etcd {ep} did not answer a read of the master view ({e})"
+    return (base64.b64decode(kvs[0]["value"]).decode(), None) if kvs else ("", None)
+
+
+def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
+    """(the master that should serve this client: the configured one or the HA leader; why it
+    cannot, or None). Cheap: TCP connects and one etcd read, never a store call."""
+    if cfg.ha:
+        leader, problem = etcd_leader(cfg, timeout)
+        if problem:
+            return "", problem
+        if not leader:
+            return "", (f"no Mooncake master leads cluster id {cluster_id(cfg)!r} in "
+                        f"{cfg.master_server_address}; start the HA masters or set cluster_id "
+                        "to their --cluster_id")
+        what = f"the HA leader {leader} that etcd names"
+    else:
+        leader, what = cfg.master_server_address, f"Mooncake master {cfg.master_server_address}"
+    host, port = leader.rsplit(":", 1)
     err = _probe_tcp(host, int(port), timeout)
-    if err:
+    return leader, (f"{what} is unreachable ({err})" if err else None)
+
+
+def check_reachable(cfg: StoreConfig, timeout: float) -> str:
+    """The serving master's address; raise StoreUnavailable naming the field that is wrong."""
+    master, problem = find_master(cfg, timeout)
+    if problem:
         raise StoreUnavailable(
-            f"master_server_address: Mooncake master {cfg.master_server_address} is unreachable "
-            f"({err}); start mooncake_master there, fix the address, or set "
-            "kv_connector_extra_config.on_master_unreachable=\"degrade\" to serve without the cache"
-        )
+            f"master_server_address: {problem}; start mooncake_master there, fix the address, "
+            "or set kv_connector_extra_config.on_master_unreachable=\"degrade\" to serve "
+            "without the cache")
     url = urllib.parse.urlparse(cfg.metadata_server)
+    if url.scheme == "etcd":
+        ep, err = _probe_any(etcd_endpoints(cfg.metadata_server, "metadata_server"), timeout)
+        if ep is None:
+            raise StoreUnavailable(f"metadata_server: no etcd endpoint of {cfg.metadata_server} "
+                                   f"answers ({err}); start etcd there or fix the address")
     if url.scheme in ("http", "https"):
         err = _probe_tcp(url.hostname or "", url.port or 80, timeout)
         if err:
@@ -77,15 +143,26 @@ def check_reachable(cfg: StoreConfig, timeout: float) -> None:
                 f"metadata_server: {cfg.metadata_server} is unreachable ({err}); start the "
                 "master with --enable_http_metadata_server or fix the URL"
             )
+    return master
 
 
 def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: int,
-               timeout: float) -> Any:
-    """Probe, then set up a `MooncakeDistributedStore` client."""
-    check_reachable(cfg, timeout)
+               timeout: float) -> tuple[Any, str]:
+    """Probe, then set up a `MooncakeDistributedStore` client; returns it and the master that
+    serves it (the HA leader for an etcd:// address)."""
+    master = check_reachable(cfg, timeout)
+    if cfg.cluster_id:  # the client reads it from the environment (load_config checked both)
+        os.environ.setdefault(CLUSTER_ID_ENV, cfg.cluster_id)
+    apply_transfer_timeout(cfg.transfer_timeout)
+    if cfg.ha:
+        # Unless transfer_timeout or the environment set them: bound one master RPC by
+        # store_timeout_s (with Mooncake's 30 s a call in flight to a partitioned leader held
+        # its job that long) and a reconnect by 1 s (with 30 s, the call after a timeout
+        # blocked ~90 s reconnecting to the unreachable old leader).
+        os.environ.setdefault(RPC_TIMEOUT_ENV, str(int(timeout * 1000)))
+        os.environ.setdefault(RPC_CONNECT_TIMEOUT_ENV, str(int(min(timeout, 1.0) * 1000)))
     from mooncake.store import MooncakeDistributedStore  # heavy; worker/scheduler only
 
-    apply_transfer_timeout(cfg.transfer_timeout)
     store = MooncakeDistributedStore()
     rc = store.setup(
         cfg.local_hostname, cfg.metadata_server, global_segment_size, local_buffer_size,
@@ -96,8 +173,10 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
             f"master_server_address: Mooncake client setup against {cfg.master_server_address} "
             f"failed with code {rc} ({ERROR_NAMES.get(rc, 'unknown')}); check the master log, "
             "protocol/device_name and that global_segment_size fits in memory"
+            + (f", and that the masters run with --cluster_id={cluster_id(cfg)}" if cfg.ha
+               else "")
         )
-    return store
+    return store, master
 
 
 # Mooncake's own deadlines, read from the environment when its transports start: a TCP
@@ -140,7 +219,13 @@ class StoreHandle:
 
     Once running, a call that returns an RPC failure trips the breaker (`trip`): `ready()`
     returns None, so every job fails at once and vLLM recomputes, instead of each one waiting
-    seconds for its own RPC to fail. A probe thread closes the breaker when the master answers.
+    seconds for its own RPC to fail. One probe thread closes the breaker when the master
+    answers: it makes a store call only once the master (for an HA group, the leader etcd
+    names) accepts connections, so a failover costs one blocked call, not one per job. The
+    client re-attaches to a new leader by itself; the breaker closes on the first call that
+    succeeds there. Codes other than -900/-901 never trip it: the -703 (gets) and -200 (puts)
+    that follow a promotion for about a second, until the store nodes have remounted their
+    segments on the new leader, fail only their own jobs (recomputed, counted by code).
     """
 
     def __init__(self, cfg: StoreConfig, global_segment_size: int, local_buffer_size: int,
@@ -152,10 +237,13 @@ class StoreHandle:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.client: Any = None
+        self.master = ""  # the master (HA: leader) that served the last successful probe
         self.down_code: str = ""  # the code that tripped the breaker; "" while healthy
+        self._down_since = 0.0  # monotonic time the breaker opened (0 while closed)
+        self._outage = [0, 0.0]  # failovers ridden through, seconds without a master: unreported
         self.replicate = replicate_config(cfg.replica_num)  # passed to every put
         try:
-            self.client = open_store(*self._args)
+            self.client, self.master = open_store(*self._args)
         except StoreUnavailable as e:
             if mode == "fail":
                 raise
@@ -178,10 +266,22 @@ class StoreHandle:
         with self._lock:
             if self.down_code or self.client is None:
                 return
-            self.down_code = str(code)
-        logger.error("Mooncake master RPC failed (%d %s): failing store calls fast until it "
-                     "answers again", code, ERROR_NAMES.get(code, ""))
+            self.down_code, self._down_since = str(code), time.monotonic()
+        logger.error("Mooncake master %s RPC failed (%d %s): failing store calls fast until a "
+                     "master answers again", self.master, code, ERROR_NAMES.get(code, ""))
         threading.Thread(target=self._probe, name="mcpool-probe", daemon=True).start()
+
+    def take_outage(self) -> tuple[int, float]:
+        """(failovers ridden through, seconds without a master) since the last call; the
+        seconds include an outage still in progress."""
+        with self._lock:
+            now = time.monotonic()
+            if self._down_since:
+                self._outage[1] += now - self._down_since
+                self._down_since = now
+            failovers, seconds = self._outage
+            self._outage = [0, 0.0]
+        return failovers, seconds
 
     def _probe(self) -> None:
         cfg, timeout = self._args[0], self._args[3]
@@ -189,26 +289,30 @@ class StoreHandle:
             client = self.client
             if client is None:  # closed
                 return
-            try:
-                check_reachable(cfg, min(timeout, 1.0))
-                if min(client.batch_is_exist([PROBE_KEY])) < 0:
-                    continue
-            except StoreUnavailable:
+            master, problem = find_master(cfg, min(timeout, 1.0))
+            if problem:
                 continue
-            logger.info("Mooncake master answers again; store calls resumed")
-            self.down_code = ""
+            if min(client.batch_is_exist([PROBE_KEY])) < 0:
+                continue
+            with self._lock:
+                failover = cfg.ha and master != self.master
+                self._outage[0] += failover
+                self._outage[1] += time.monotonic() - self._down_since
+                self._down_since, self.down_code, old, self.master = 0.0, "", self.master, master
+            logger.info("Mooncake master %s answers%s; store calls resumed", master,
+                        f" (failover from {old})" if failover else " again")
             return
 
     def _reconnect(self) -> None:
         while not self._stop.wait(self._retry_s):
             try:
-                client = open_store(*self._args)
+                client, master = open_store(*self._args)
             except StoreUnavailable as e:
                 logger.debug("store still unreachable: %s", e)
                 continue
             for cb in self._callbacks:
                 cb(client)
-            self.client = client
+            self.client, self.master = client, master
             logger.info("connected to the Mooncake store; cache enabled")
             return
 

@@ -4,17 +4,22 @@
 
 Configured by the standard OTEL_* environment variables: tracing is on when
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT) is set and OTEL_SDK_DISABLED
-is not "true". With tracing off the subscriber is not even registered.
+is not "true"; OTEL_TRACES_SAMPLER[_ARG] choose the jobs (`sampling.TraceSampler`). With tracing
+off, or the always_off sampler, the subscriber is not even registered.
 
-Two span writers, same spans:
-- `OtlpWriter` (default): encodes the spans straight to OTLP protobuf and posts them over
+Two span writers, same spans, both with the ids the connector's sampler chose (the metrics
+carry them as exemplars):
+- `OtlpWriter` (http/protobuf): encodes the spans straight to OTLP protobuf and posts them over
   OTLP/HTTP (`connector.otlp_http`), about 30 us of CPU per load job;
-- `SdkWriter`: through an OpenTelemetry SDK TracerProvider: vLLM's when it set one up in this
-  process (the spans then share its pipeline and resource), or our own for
-  OTEL_EXPORTER_OTLP_PROTOCOL=grpc. About 10x the CPU of the OTLP writer.
+- `SdkWriter` (grpc): through an OpenTelemetry SDK TracerProvider of our own. About 10x the CPU
+  of the OTLP writer.
+vLLM installs an SDK provider in every process when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set;
+the connector does not export through it: its sampler (read from the same OTEL_TRACES_SAMPLER)
+would sample the connector's jobs a second time, and it picks its own ids.
 
-Off the data path: a receive thread only samples the finished job's event and appends it to a
-bounded queue (well under a microsecond); a `mcpool-trace` thread builds the spans from the
+Off the data path: a receive thread only samples the finished job's event (choosing its trace
+id, which the metrics then carry as an exemplar) and appends it to a bounded queue (a few
+microseconds); a `mcpool-trace` thread builds the spans from the
 event's timestamps in batches, so the next job's transfer never waits for tracing. If the
 tracer falls behind (more than MAX_PENDING events waiting) new events are dropped and counted,
 never blocking a load.
@@ -30,14 +35,20 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
 from connector import otlp_http
-from connector.events import LoadEvent, LookupEvent, SaveEvent
+from connector.events import LoadEvent, SaveEvent, Subscriber
+from connector.sampling import (
+    DEFAULT_SAMPLE_RATIO,  # noqa: F401 - re-exported (bench)
+    DEFAULT_SAMPLER,
+    TraceSampler,
+)
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
-DEFAULT_SAMPLE_RATIO = 0.05
 MAX_PENDING = 16_384  # events waiting for the trace thread (a few seconds at full rate)
 BATCH_INTERVAL_S = 0.1
 YIELD_EVERY = 16  # jobs whose spans are built between GIL yields (about 0.3 ms)
@@ -50,35 +61,41 @@ def tracing_enabled(environ: Mapping[str, str] = os.environ) -> bool:
                 or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
-def sample_ratio(configured: float | None, environ: Mapping[str, str] = os.environ) -> float:
-    """extra_config trace_sample_ratio, else OTEL_TRACES_SAMPLER_ARG for ratio samplers."""
-    if configured is not None:
-        return configured
-    if "traceidratio" in environ.get("OTEL_TRACES_SAMPLER", ""):
-        try:
-            return min(1.0, max(0.0, float(environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))))
-        except ValueError:
-            logger.warning("OTEL_TRACES_SAMPLER_ARG is not a number; using %s",
-                           DEFAULT_SAMPLE_RATIO)
-    return DEFAULT_SAMPLE_RATIO
-
-
-def _protocol(environ: Mapping[str, str]) -> str:
+def _protocol(environ: Mapping[str, str], default: str = "http/protobuf") -> str:
     return environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                       environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"))
+                       environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", default))
 
 
 Phases = list[tuple[str, float, float]]  # a job's child spans: (name, start, end)
+Ids = tuple[bytes, bytes, bytes]  # (trace id, root span id, parent span id or b"")
+
+
+class PresetIds(RandomIdGenerator):
+    """Gives the SDK the ids the connector chose for the next root span (only the trace thread
+    starts spans on our provider); child spans get random ids."""
+
+    def __init__(self) -> None:
+        self.trace_id = self.span_id = 0
+
+    def generate_trace_id(self) -> int:
+        return self.trace_id or super().generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        span_id, self.span_id = self.span_id, 0
+        return span_id or super().generate_span_id()
 
 
 class SdkWriter:
-    """Spans through an OpenTelemetry SDK TracerProvider (its sampler and processors apply)."""
+    """Spans through an OpenTelemetry SDK TracerProvider (its processors apply). With `ids`
+    (the provider's id generator) the spans get the connector's ids; without (a provider from
+    elsewhere, e.g. tests and the benchmark) the SDK picks them and they are no exemplars."""
 
-    def __init__(self, provider: Any, owned: bool) -> None:
+    def __init__(self, provider: Any, owned: bool, ids: PresetIds | None = None) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
-        self._provider, self._owned = provider, owned
+        self._provider, self._owned, self._ids = provider, owned, ids
+        self.honours_ids = ids is not None
         self._tracer = provider.get_tracer("connector")
         self._set_in_context = trace.set_span_in_context
         self._error = lambda code: Status(StatusCode.ERROR, f"mooncake code {code}")
@@ -88,17 +105,24 @@ class SdkWriter:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
         if _protocol(environ) == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        provider = TracerProvider(resource=Resource.create(resource_attrs))
+        # The connector's sampler has decided already; the provider must not sample again.
+        ids = PresetIds()
+        provider = TracerProvider(resource=Resource.create(resource_attrs), sampler=ALWAYS_ON,
+                                  id_generator=ids)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        return cls(provider, owned=True)
+        return cls(provider, owned=True, ids=ids)
 
-    def job(self, name: str, parent: Any, t0: int, t1: int, attrs: dict[str, Any], code: str,
-            phases: list[tuple[str, int, int]]) -> None:
+    def job(self, name: str, ids: Ids, parent: Any, t0: int, t1: int, attrs: dict[str, Any],
+            code: str, phases: list[tuple[str, int, int]]) -> None:
+        if self._ids is not None:
+            self._ids.trace_id = int.from_bytes(ids[0], "big")
+            self._ids.span_id = int.from_bytes(ids[1], "big")
         root = self._tracer.start_span(name, context=parent, start_time=t0, attributes=attrs)
         ctx = self._set_in_context(root)
         for child, a, b in phases:
@@ -120,38 +144,26 @@ class SdkWriter:
 
 
 class OtlpWriter:
-    """Spans encoded straight to OTLP protobuf, one HTTP post per batch (see otlp_http).
-
-    Follows the SDK's default sampler (parent-based): a job whose parent span was not sampled
-    gets no spans; otherwise `SpanExporter`'s ratio decides."""
+    """Spans encoded straight to OTLP protobuf, one HTTP post per batch (see otlp_http), with
+    the ids `SpanExporter` chose when it sampled the job."""
 
     SCOPE = "connector"
+    honours_ids = True
 
     def __init__(self, resource_attrs: dict[str, str], environ: Mapping[str, str]) -> None:
-        from opentelemetry import trace
-
-        self._get_span_context = lambda ctx: trace.get_current_span(ctx).get_span_context()
         self.exporter = otlp_http.OtlpHttpExporter(resource_attrs, environ)
         self._batch: list[bytes] = []
 
-    def job(self, name: str, parent: Any, t0: int, t1: int, attrs: dict[str, Any], code: str,
-            phases: list[tuple[str, int, int]]) -> None:
-        ids = random.randbytes(24 + 8 * len(phases))  # trace id, root id, child ids
-        trace_id, parent_id = ids[:16], b""
-        if parent is not None:
-            pctx = self._get_span_context(parent)
-            if pctx.is_valid:
-                if not pctx.trace_flags.sampled:
-                    return
-                trace_id = pctx.trace_id.to_bytes(16, "big")
-                parent_id = pctx.span_id.to_bytes(8, "big")
-        root_id = ids[16:24]
+    def job(self, name: str, ids: Ids, parent: Any, t0: int, t1: int, attrs: dict[str, Any],
+            code: str, phases: list[tuple[str, int, int]]) -> None:
+        trace_id, root_id, parent_id = ids
+        child_ids = random.randbytes(8 * len(phases))
         span, name_field = otlp_http.span, otlp_http.name_field
         self._batch.append(span(trace_id, root_id, parent_id, name_field(name), t0, t1,
                                 otlp_http.attributes(attrs, 9),
                                 f"mooncake code {code}" if code else ""))
         for i, (child, a, b) in enumerate(phases):
-            self._batch.append(span(trace_id, ids[24 + 8 * i:32 + 8 * i], root_id,
+            self._batch.append(span(trace_id, child_ids[8 * i:8 * i + 8], root_id,
                                     name_field(child), a, b))
 
     def flush(self) -> None:
@@ -166,36 +178,47 @@ class OtlpWriter:
 
 def make_writer(resource_attrs: dict[str, str],
                 environ: Mapping[str, str] = os.environ) -> SdkWriter | OtlpWriter:
-    """vLLM's SDK provider when it set one up in this process; else the lean OTLP/HTTP writer,
-    or an SDK provider of our own for the grpc protocol."""
+    """The lean OTLP/HTTP writer for http/protobuf, an SDK provider of our own for grpc. With no
+    protocol variable the OTLP default (http/protobuf) applies, unless vLLM set up its provider
+    in this process: that one exports over grpc by default, to the same endpoint."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
-    current = trace.get_tracer_provider()
-    if isinstance(current, TracerProvider):
-        return SdkWriter(current, owned=False)
-    if _protocol(environ) == "grpc":
+    vllm_default = "grpc" if isinstance(trace.get_tracer_provider(), TracerProvider) \
+        else "http/protobuf"
+    if _protocol(environ, vllm_default) == "grpc":
         return SdkWriter.own(resource_attrs, environ)
     return OtlpWriter(resource_attrs, environ)
 
 
-class SpanExporter:
-    """Subscriber that turns sampled job events into OpenTelemetry spans."""
+Traced = Callable[[LoadEvent, str, str], None]  # (event, trace id hex, root span id hex)
+
+
+class SpanExporter(Subscriber):
+    """Turns sampled job events into OpenTelemetry spans (lookups are covered by metrics; a
+    span per scheduler lookup would be noise)."""
 
     MAX_BATCH = 512  # jobs per writer flush (one OTLP post)
 
-    def __init__(self, ratio: float, tp_rank: int, process_kind: str,
-                 writer: SdkWriter | OtlpWriter | None = None) -> None:
-        """`writer`: where spans go; by default chosen by `make_writer`."""
-        from opentelemetry import context
+    def __init__(self, sampler: TraceSampler | float, tp_rank: int, process_kind: str,
+                 writer: SdkWriter | OtlpWriter | None = None,
+                 on_traced: Traced | None = None) -> None:
+        """`sampler`: a TraceSampler, or a ratio for parentbased_traceidratio. `writer`: where
+        spans go; by default chosen by `make_writer`. `on_traced`: told the ids of every
+        sampled load job, on the job's thread (the metrics' exemplars); only with a writer
+        that uses those ids."""
+        from opentelemetry import context, trace
 
         self.writer = writer or make_writer(
             {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm-mooncake-pool"),
              "mooncake_pool.process_kind": process_kind, "mooncake_pool.tp_rank": str(tp_rank)})
         self.get_context = context.get_current
-        self._ratio = ratio
+        self._span_context = lambda ctx: trace.get_current_span(ctx).get_span_context()
+        self.sampler = sampler if isinstance(sampler, TraceSampler) else \
+            TraceSampler(DEFAULT_SAMPLER, sampler)
+        self._on_traced = on_traced if self.writer.honours_ids else None
         self._offset_ns = time.time_ns() - time.perf_counter_ns()
-        self._pending: deque[LoadEvent | SaveEvent] = deque()
+        self._pending: deque[tuple[LoadEvent | SaveEvent, Ids]] = deque()
         self.dropped = 0
         self._flush_lock = threading.Lock()  # the trace thread vs an explicit flush()
         self._stop = threading.Event()
@@ -204,7 +227,9 @@ class SpanExporter:
 
     # ---- receive / save threads: sample and hand over ----------------------------------------
     def _offer(self, ev: LoadEvent | SaveEvent) -> None:
-        if random.random() >= self._ratio:
+        parent = None if ev.trace_parent is None else self._span_context(ev.trace_parent)
+        picked = self.sampler.sample(parent)
+        if picked is None:
             return
         if len(self._pending) >= MAX_PENDING:
             self.dropped += 1  # racy increments may undercount; it is a diagnostic
@@ -212,7 +237,10 @@ class SpanExporter:
                 logger.warning("tracing is behind: %d job spans dropped so far (lower "
                                "trace_sample_ratio)", self.dropped)
             return
-        self._pending.append(ev)  # deque.append is atomic: no lock on the data path
+        ids = (picked[0], random.randbytes(8), picked[1])
+        self._pending.append((ev, ids))  # deque.append is atomic: no lock on the data path
+        if self._on_traced is not None and isinstance(ev, LoadEvent):
+            self._on_traced(ev, ids[0].hex(), ids[1].hex())
 
     def on_load(self, ev: LoadEvent) -> None:
         self._offer(ev)
@@ -220,8 +248,6 @@ class SpanExporter:
     def on_save(self, ev: SaveEvent) -> None:
         self._offer(ev)
 
-    def on_lookup(self, ev: LookupEvent) -> None:
-        """Lookups are covered by metrics; a span per scheduler lookup would be noise."""
 
     # ---- trace thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -233,12 +259,12 @@ class SpanExporter:
         with self._flush_lock:
             n = 0
             while self._pending:
-                ev = self._pending.popleft()
+                ev, ids = self._pending.popleft()
                 try:
                     if isinstance(ev, LoadEvent):
-                        self._load_spans(ev)
+                        self._load_spans(ev, ids)
                     else:
-                        self._save_spans(ev)
+                        self._save_spans(ev, ids)
                 except Exception:  # a bad span must not stop the tracer
                     logger.exception("building spans failed")
                 n += 1
@@ -253,13 +279,13 @@ class SpanExporter:
     def _ns(self, t: float) -> int:
         return self._offset_ns + int(t * 1e9)
 
-    def _job(self, name: str, parent: Any, t0: float, t1: float, attrs: dict[str, Any],
-             code: str, phases: Phases) -> None:
+    def _job(self, name: str, ids: Ids, parent: Any, t0: float, t1: float,
+             attrs: dict[str, Any], code: str, phases: Phases) -> None:
         ns = self._ns
-        self.writer.job(name, parent, ns(t0), ns(t1), attrs, code,
+        self.writer.job(name, ids, parent, ns(t0), ns(t1), attrs, code,
                         [(n, ns(a), ns(b)) for n, a, b in phases])
 
-    def _load_spans(self, ev: LoadEvent) -> None:
+    def _load_spans(self, ev: LoadEvent, ids: Ids) -> None:
         phases = [("queue_wait", ev.t_enqueue, ev.t_start), ("prepare", ev.t_start, ev.t_prepared)]
         if ev.lookup_sampled:
             phases.append(("master_lookup", ev.t_prepared, ev.t_lookup_end))
@@ -267,17 +293,17 @@ class SpanExporter:
         attrs = {"thread": ev.thread, "tp_rank": ev.tp_rank, "keys": ev.keys,
                  "bytes": ev.nbytes, "status": "ok" if ev.ok else "error",
                  "error_code": ev.code, "failed_blocks": ev.failed_blocks,
-                 "request_hash": ev.trace_id}
-        self._job("mooncake.load", ev.trace_parent, ev.t_enqueue, ev.t_end, attrs, ev.code,
+                 "request_hash": ev.request_hash}
+        self._job("mooncake.load", ids, ev.trace_parent, ev.t_enqueue, ev.t_end, attrs, ev.code,
                   phases)
 
-    def _save_spans(self, ev: SaveEvent) -> None:
+    def _save_spans(self, ev: SaveEvent, ids: Ids) -> None:
         phases = [("ready_wait", ev.t_start, ev.t_ready), ("exists", ev.t_ready, ev.t_exists_end),
                   ("put", ev.t_exists_end, ev.t_end)]
         attrs = {"tp_rank": ev.tp_rank, "keys": ev.keys, "skipped_keys": ev.skipped,
                  "bytes": ev.nbytes, "status": "error" if ev.code else "ok",
-                 "error_code": ev.code, "request_hash": ev.trace_id}
-        self._job("mooncake.save", ev.trace_parent, ev.t_enqueue, ev.t_end, attrs, ev.code,
+                 "error_code": ev.code, "request_hash": ev.request_hash}
+        self._job("mooncake.save", ids, ev.trace_parent, ev.t_enqueue, ev.t_end, attrs, ev.code,
                   phases)
 
     def shutdown(self) -> None:

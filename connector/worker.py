@@ -29,14 +29,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.events import LoadEvent, SaveEvent, Subscriber
+from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber
 from connector.keys import KeyBuilder, kv_signature
 from connector.kv_regions import BlockRegions, compute_regions
 from connector.ledger import RequestLedger
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool, Ticket
+from connector.sampling import LookupProbe
 from connector.staging import BlockStager
-from connector.stats import StatsRecorder
+from connector.stats import StatsRecorder, WorkerGauges, stat_key
 from connector.store import (
     ABANDONED_CODE,
     EXCEPTION_CODE,
@@ -90,10 +91,9 @@ class MooncakeStoreWorker:
             config.store, config.store.global_segment_size, config.store.local_buffer_size,
             config.on_master_unreachable, config.store_timeout_s)
         self.ledger = RequestLedger()
-        self._lookup_every = (round(1 / config.master_lookup_sample_ratio)
-                              if config.master_lookup_sample_ratio > 0 else 0)
-        self._job_count = [0] * config.load_threads
-        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges)
+        self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads)
+        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges,
+                                      self._master_outage)
         self.pool: RecvPool[_Job] = RecvPool(
             config.load_threads, self._load, active=1 if config.load_threads_auto else None,
             deadline_s=config.load_timeout_s, on_expire=self._load_expired,
@@ -103,26 +103,23 @@ class MooncakeStoreWorker:
             1, self._save_job, name="mcpool-save", deadline_s=config.save_timeout_s,
             on_expire=self._save_expired, on_retire=self._release_stager,
             on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "save"))
-        self.subscribers: list[Subscriber] = [self.recorder]
+        self.events = Publisher(self.recorder)
         if config.load_threads_auto:
             from connector.autotune import ThreadTuner
 
-            self.subscribers.append(ThreadTuner(
+            self.events.add(ThreadTuner(
                 config.load_threads, self.pool.set_active,
                 on_error=lambda: self.recorder.count("autotune_errors", tp_rank)))
         self._get_context = None
-        self._info_key = ""
 
     def add_subscriber(self, sub: Subscriber) -> None:
-        self.subscribers.append(sub)
+        self.events.add(sub)
         self._get_context = getattr(sub, "get_context", self._get_context)
 
     # ---- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], attn_backend: str = "") -> None:
         self._keys = self._keys.with_signature(
             kv_signature(kv_caches, self._num_blocks, attn_backend))
-        self._info_key = (f"layout_info|{self.tp_rank}|{self._keys.fingerprint}|"
-                          f"{self._keys.layout.hash_algo}|")
         self._regions = compute_regions(kv_caches, self._num_blocks)
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
@@ -232,29 +229,23 @@ class MooncakeStoreWorker:
     def get_load_errors(self) -> set[int]:
         return self.ledger.take_load_errors()
 
-    def _gauges(self) -> dict[str, int]:
+    def _gauges(self) -> WorkerGauges:
         """Sampled at every stats poll; queue depth and in-flight are peaks since the last one."""
         depth, busy = self.pool.take_peaks()
-        r = self.tp_rank
-        g = {f"load_queue_depth|{r}": depth,
-             f"save_queue_depth|{r}": self.save_pool.depth(),
-             f"recv_threads|{r}": self.pool.size,
-             f"recv_threads_active|{r}": self.pool.active,
-             f"threads_stuck|{r}|load": self.pool.stuck,
-             f"threads_stuck|{r}|save": self.save_pool.stuck,
-             f"staging_buffers|{r}": self.staging_buffers}
-        if self._info_key:
-            g[self._info_key + ("staged" if self._staged else "multibuffer")] = 1
-        for i, v in enumerate(busy):
-            g[f"load_inflight|{r}|{i}"] = v
-        return g
+        return WorkerGauges(
+            load_queue_depth=depth, save_queue_depth=self.save_pool.depth(),
+            recv_threads=self.pool.size, recv_threads_active=self.pool.active,
+            load_inflight=tuple(busy),
+            threads_stuck={"load": self.pool.stuck, "save": self.save_pool.stuck},
+            staging_buffers=self.staging_buffers,
+            layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
+                    "staged" if self._staged else "multibuffer") if self._regions else None)
 
-    def _publish(self, method: str, ev: Any) -> None:
-        for sub in self.subscribers:
-            try:
-                getattr(sub, method)(ev)
-            except Exception:  # observability must never break the data path
-                logger.exception("subscriber %r failed", sub)
+    def _master_outage(self) -> dict[str, float]:
+        failovers, seconds = self._store.take_outage()
+        out = {stat_key("master_failovers", self.tp_rank): failovers,
+               stat_key("master_down_seconds", self.tp_rank): seconds}
+        return {k: v for k, v in out.items() if v}
 
     def _connected(self) -> Any:
         """The store client, or StoreDown when there is none or the breaker is open."""
@@ -281,8 +272,7 @@ class MooncakeStoreWorker:
             stager = self._stager(client)
             addrs = None if stager else self._regions.addresses(t.block_ids)
             t_prepared = t_lookup_end = time.perf_counter()
-            self._job_count[thread] += 1
-            if self._lookup_every and self._job_count[thread] % self._lookup_every == 0:
+            if self._lookup_probe.due(thread):
                 client.batch_get_replica_desc(keys)
                 t_lookup_end = time.perf_counter()
                 sampled = True
@@ -310,8 +300,8 @@ class MooncakeStoreWorker:
         if not ticket.finish():
             return  # expired: the watchdog reported it, and nothing was copied since
         self.ledger.finish_load(t.req_id, failed if code else ())
-        self._publish("on_load", LoadEvent(
-            thread=thread, tp_rank=self.tp_rank, trace_id=request_hash(t.req_id),
+        self.events.load(LoadEvent(
+            thread=thread, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=nbytes, failed_blocks=len(failed) if code else 0,
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
@@ -322,8 +312,8 @@ class MooncakeStoreWorker:
         t = job.transfer
         self.ledger.finish_load(t.req_id, t.block_ids)
         now = time.perf_counter()
-        self._publish("on_load", LoadEvent(
-            thread=0, tp_rank=self.tp_rank, trace_id=request_hash(t.req_id),
+        self.events.load(LoadEvent(
+            thread=0, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=0, failed_blocks=len(t.block_ids), code=reason,
             t_enqueue=job.t_enqueue, t_start=now, t_prepared=now, t_lookup_end=now, t_end=now,
             lookup_sampled=False, trace_parent=job.trace_parent))
@@ -381,8 +371,8 @@ class MooncakeStoreWorker:
         if not ticket.finish():
             return  # expired: the watchdog already reported it and released its blocks
         self.ledger.finish_save(t.req_id)
-        self._publish("on_save", SaveEvent(
-            tp_rank=self.tp_rank, trace_id=request_hash(t.req_id), keys=stored, skipped=skipped,
+        self.events.save(SaveEvent(
+            tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=stored, skipped=skipped,
             nbytes=nbytes, code=code, failed_op=op, t_enqueue=job.t_enqueue, t_start=t_start,
             t_ready=t_ready, t_exists_end=t_exists, t_end=time.perf_counter(),
             trace_parent=job.trace_parent))
@@ -409,8 +399,8 @@ class MooncakeStoreWorker:
         t = job.transfer
         self.ledger.finish_save(t.req_id)
         now = time.perf_counter()
-        self._publish("on_save", SaveEvent(
-            tp_rank=self.tp_rank, trace_id=request_hash(t.req_id), keys=0, skipped=0, nbytes=0,
+        self.events.save(SaveEvent(
+            tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0, nbytes=0,
             code=reason, failed_op="save", t_enqueue=job.t_enqueue, t_start=now, t_ready=now,
             t_exists_end=now, t_end=now, trace_parent=job.trace_parent))
 
@@ -422,7 +412,7 @@ class MooncakeStoreWorker:
             return
         self._closed = True
         stuck = self.pool.close(SHUTDOWN_WAIT_S) + self.save_pool.close(SHUTDOWN_WAIT_S)
-        for sub in self.subscribers:
+        for sub in self.events.subscribers:
             if hasattr(sub, "shutdown"):
                 sub.shutdown()
         self._store.close([t.join for t in stuck])

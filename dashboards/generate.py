@@ -46,6 +46,7 @@ class P:
     min: float | None = None
     max: float | None = None
     table_value: str | None = "value"  # tables: header of the Value column (None: hide it)
+    exemplars: bool = False  # show the series' exemplars (trace ids of traced jobs)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,36 @@ def hit_ratio(hits: str, queries: str) -> str:
     return f"{rate(hits)} / {rate(queries)}"
 
 
+EXEMPLAR_HINT = ("Dots are exemplars: traced jobs; click one to open its mooncake.load trace "
+                 "(the Prometheus data source links trace_id to the traces data source, see "
+                 "dashboards/grafana-datasources.yaml).")
+
+
+def tenant_hit_rate() -> P:
+    """Token hit rate per deployment (vllm_deployment, from the Helm chart's monitors; model
+    without it) and tenant (cache_prefix): the store's value to each tenant."""
+    by = "vllm_deployment, model_name, cache_prefix"
+    hit = rate(series("lookup_hit_tokens"), by)
+    miss = rate(series("lookup_miss_tokens"), by)
+    return P("Token hit rate per deployment and tenant", "percentunit", (
+        (f"{hit} / ({hit} + {miss})", "{{vllm_deployment}} {{model_name}} / {{cache_prefix}}"),
+    ), "Prompt tokens found in the store / tokens looked up, per deployment and tenant "
+       "(cache_prefix). A drop while traffic holds: alert MooncakePoolStoreHitRateCollapsed.",
+      min=0, max=1, width=24)
+
+
+def failures_panel() -> P:
+    """Failures by op and code, drawn only where non-zero (every known code is exported as 0
+    from startup: a legend of some thirty flat lines would bury the one that matters), and the
+    total, which reads 0 on a healthy deployment."""
+    return P("Store failures by op and code", "ops", (
+        (f"{rate(series('failures'), 'op, code')} > 0", "{{op}} {{code}}"),
+        (rate(series("failures")), "all ops and codes"),
+    ), "Failed store operations per second by operation (load, save, save_exists, lookup) "
+       "and Mooncake error code (-704 not found, -600 buffer, -800 transfer, -900 RPC), "
+       "drawn where non-zero.")
+
+
 def token_hit_ratio() -> str:
     """hit / (hit + miss); a family nothing has incremented yet counts as 0, so a store that
     never hits reads 0% instead of "No data"."""
@@ -114,6 +145,46 @@ def rate_m(name: str) -> str:
 
 _BY_RANK = "pod, tp_rank"
 _RANK = "{{pod}} rank {{tp_rank}}"
+
+
+def master_ha_row() -> Row:
+    """Leader, standby lag and failovers of an HA master group (--enable_ha, etcd), from each
+    master's own metrics (scrape every master) and from the engines' store clients."""
+    state = master("ha_standby_state")
+    return Row("Mooncake master HA", (
+        P("Serving leader and following standbys", "short", (
+            (f"count({state} == 0) or vector(0)", "leader"),
+            (f"count({state} == 3) or vector(0)", "following standbys"),
+        ), "Masters that are not standbys (the leader; a master without HA counts too) and "
+           "standbys following the leader's oplog (state WATCHING). Healthy HA group: 1 and 1 "
+           "(alerts MooncakeMasterNoServingLeader, MooncakeMasterStandbyNotFollowing).",
+          kind="stat", width=6),
+        P("HA state per master", "short", ((f"max by (instance) ({state})", "{{instance}}"),),
+          "ha_standby_state: 0 leader (not a standby), 1 connecting, 2 syncing, 3 watching "
+          "(following), 4 recovering, 5 reconnecting, 6 promoting, 7 promoted, 8 failed. A "
+          "failover shows as the standby's line dropping from 3 to 0.", width=6, min=0),
+        P("Standby lag and applied oplog", "short", (
+            (f"max by (instance) ({master('ha_oplog_standby_lag')})", "lag {{instance}}"),
+            (f"max by (instance) (deriv({master('ha_oplog_applied_sequence_id')}"
+             f"[$__rate_interval]))", "applied/s {{instance}}"),
+        ), "Oplog entries each standby is behind the log it has read, and the rate at which it "
+           "applies entries. The leader of this Mooncake release exports no sequence of its own "
+           "(ha_oplog_last_sequence_id stays 0), so a standby that stopped following shows as "
+           "a flat applied line while the leader takes puts.", width=6),
+        P("Failovers", "short", (
+            (f"sum by (instance) (increase({master('ha_state_transitions_total')}"
+             f"[$__rate_interval]))", "HA state changes {{instance}}"),
+            (f"sum by (pod) (increase({series('master_failovers')}[$__rate_interval]))",
+             "ridden through {{pod}}"),
+        ), "State changes of each master's HA state machine (a promotion is several), and "
+           "failovers each engine's store client rode through (its breaker closed on a new "
+           "leader).", width=6),
+        P("Time without a master (engines)", "percentunit", (
+            (rate(series("master_down_seconds"), _BY_RANK), _RANK),
+        ), "Share of time each engine rank's store client had no master answering (breaker "
+           "open: loads and saves fail fast, vLLM recomputes). A leader kill costs ~10 s: "
+           "etcd lease ~5 s, leader warm-up ~5 s.", width=24, min=0),
+    ))
 
 LOAD_PIPELINE = Dash(
     uid="mooncake-pool-load",
@@ -152,9 +223,11 @@ LOAD_PIPELINE = Dash(
             P("Master lookup", "s", p50_p99("load_master_lookup_seconds"),
               "Replica lookup on the Mooncake master for a job's keys (sampled jobs)."),
             P("Transfer", "s", p50_p99("load_transfer_seconds"),
-              "Data phase: the batch get minus the master lookup."),
+              "Data phase: the batch get minus the master lookup. " + EXEMPLAR_HINT,
+              exemplars=True),
             P("Whole load job", "s", p50_p99("load_job_seconds"),
-              "From enqueue to completion: what a request waits for its KV from the store."),
+              "From enqueue to completion: what a request waits for its KV from the store. "
+              + EXEMPLAR_HINT, exemplars=True),
             P("Time to first token (vLLM)", "s",
               vllm_p50_p99("vllm:time_to_first_token_seconds_bucket", "TTFT"),
               "vLLM's TTFT, for context: store loads should lower it."),
@@ -179,10 +252,7 @@ ERRORS_AND_STORE = Dash(
     "store connector, and the Mooncake master's own metrics.",
     rows=(
         Row("Errors", (
-            P("Store failures by op and code", "ops", (
-                (rate(series("failures"), "op, code"), "{{op}} {{code}}"),
-            ), "Failed store operations per second by operation (load, save, save_exists, lookup) "
-               "and Mooncake error code (-704 not found, -600 buffer, -800 transfer, -900 RPC)."),
+            failures_panel(),
             P("Load job error ratio", "percentunit", (
                 (f"({rate(series('load_jobs', status='error'))} or vector(0)) / "
                  f"{rate(series('load_jobs'))}", "error share"),
@@ -190,6 +260,24 @@ ERRORS_AND_STORE = Dash(
             P("Blocks failed to load (recomputed)", "ops", (
                 (rate(series("load_error_blocks"), _BY_RANK), _RANK),
             ), "KV blocks reported to vLLM as failed loads; vLLM recomputes their prefill."),
+        )),
+        Row("Deadlines and stuck calls", (
+            P("Job threads stuck in a store call", "short", (
+                (f"max by ({_BY_RANK}, op) ({series('threads_stuck')})", f"{_RANK} {{{{op}}}}"),
+                (f"max by ({_BY_RANK}) ({series('staging_buffers')})",
+                 f"{_RANK} staging buffers"),
+            ), "Threads retired while a store call outlived load_timeout_s / save_timeout_s, "
+               "still waiting for Mooncake to return (at most one per pool thread), and the "
+               "staging buffers registered now (one per live thread, plus the stuck ones'). "
+               "Non-zero for minutes: a frozen store node or master (alert "
+               "MooncakePoolStoreCallsStuck)."),
+            P("Jobs past their deadline", "ops", (
+                (rate(series("failures", code="timeout"), "op"), "{{op}} timed out"),
+                (rate(series("threads_replaced"), "op"), "{{op}} threads replaced"),
+            ), "Load jobs recomputed and saves abandoned at their deadline, and the threads "
+               "replaced because their call hung."),
+            P("Auto tuner errors", "ops", ((rate(series("autotune_errors"), _BY_RANK), _RANK),),
+              "Windows the load_threads: auto tuner could not judge (logged; tuning goes on)."),
         )),
         Row("Save path", (
             P("Keys saved vs skipped (already stored)", "ops", (
@@ -228,6 +316,7 @@ ERRORS_AND_STORE = Dash(
                 (rate(series("lookup_keys")), "keys probed"),
             ), "Store keys (blocks x TP namespaces) the scheduler asks the master about per "
                "second: the lookup load on the master.", width=6),
+            tenant_hit_rate(),
             P("Key namespace per pod and rank", "short", (
                 (f"max by (model_name, pod, tp_rank, fingerprint, hash_algo, transfer) "
                  f"({series('layout_info')})", ""),
@@ -259,6 +348,7 @@ ERRORS_AND_STORE = Dash(
                   "put_start allocation"),), "Failed master RPCs (allocation failures: the "
                "pool is full and eviction cannot keep up).", width=12),
         )),
+        master_ha_row(),
     ),
 )
 
@@ -325,6 +415,8 @@ def _panel(spec: P, panel_id: int):
             q = q.instant().format(pm.PromQueryFormat.TABLE)
         else:
             q = q.range().legend_format(legend or "__auto")
+            if spec.exemplars:
+                q = q.exemplar(True)
         b = b.with_target(q)
     return b
 
@@ -334,7 +426,7 @@ def build(d: Dash) -> dict:
          .editable().time("now-1h", "now").refresh("30s").timezone("browser")
          .tooltip(dm.DashboardCursorSync.CROSSHAIR)
          .timepicker(gd.TimePicker().refresh_intervals(["10s", "30s", "1m", "5m", "15m"])))
-    uses_master = any(re.search(r"(?<![\w:])master_", expr) for row in d.rows
+    uses_master = any(re.search(r"(?<![\w:])(master|ha)_", expr) for row in d.rows
                       for p in row.panels for expr, _ in p.targets)
     for v in _variables(uses_master):
         b = b.with_variable(v)

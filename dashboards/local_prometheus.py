@@ -9,6 +9,9 @@ prometheus_client >= 0.22 then writes sample names with `:` replaced by `_` (pro
 client_python#1177): vLLM's `vllm:foo` arrives as `vllm_foo`. `restore_colons` (default on) adds
 the metric relabelling that maps `vllm_*` back to `vllm:*`, which is what Prometheus 3 stores;
 production Prometheus 2.x setups need the same rule (see dashboards/README.md).
+
+`exemplars=True` turns on `--enable-feature=exemplar-storage` and scrapes the jobs named in
+`metrics_paths` at those paths (vLLM's OpenMetrics-capable mount is `/metrics/`, see README).
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ class LocalPrometheus:
     """`targets`: job name -> list of host:port, or job -> (list, extra target labels)."""
 
     def __init__(self, targets: dict, scrape_interval: str = "1s", workdir: str | None = None,
-                 restore_colons: bool = True):
+                 restore_colons: bool = True, exemplars: bool = False,
+                 metrics_paths: dict[str, str] | None = None):
         self.targets = targets
+        self.exemplars = exemplars
+        self.metrics_paths = metrics_paths or {}
         self.restore_colons = restore_colons
         self.scrape_interval = scrape_interval
         self.port = free_port()
@@ -52,6 +58,7 @@ class LocalPrometheus:
             hosts, labels = (spec, {}) if isinstance(spec, list) else spec
             jobs.append({"job_name": job, "scrape_interval": self.scrape_interval,
                          "scrape_timeout": self.scrape_interval,
+                         "metrics_path": self.metrics_paths.get(job, "/metrics"),
                          "static_configs": [{"targets": hosts, "labels": labels}],
                          "metric_relabel_configs": RESTORE_COLONS if self.restore_colons else []})
         cfg = {"global": {"scrape_interval": self.scrape_interval,
@@ -69,7 +76,9 @@ class LocalPrometheus:
         self.proc = spawn(
             [exe, f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d",
-             "--log.level=warn"], self.workdir / "prometheus.log")
+             "--log.level=warn",
+             *(["--enable-feature=exemplar-storage"] if self.exemplars else [])],
+            self.workdir / "prometheus.log")
         wait_http(self.url + "/-/ready", self.proc, "prometheus", timeout)
         return self
 

@@ -45,6 +45,17 @@ VLLM_CORE = (
     "vllm:request_success_total",
 )
 
+# Families of the Mooncake master's HA state (every master exports them; a master without HA
+# reads as a leader: state 0, lag 0). tests/test_ha_failover.py checks them on a live HA group.
+MASTER_HA = (
+    "ha_standby_state",  # 0 not a standby (leader), 3 a standby following the oplog, ...
+    "ha_oplog_standby_lag",
+    "ha_oplog_applied_sequence_id",
+    "ha_state_transitions_total",
+    "master_batch_put_end_items_total",
+    "master_put_end_requests_total",
+)
+
 # Dashboard template variables, by the label they filter on.
 VARIABLES = {"model_name": "model", "pod": "pod", "tp_rank": "tp_rank", "thread": "thread"}
 MASTER_VARIABLE = ("instance", "master")

@@ -1,7 +1,10 @@
 """The demo: a local Mooncake master and store node, `vllm serve` with the connector on a tiny
 locally made model, a workload that fills the store and then reads it back, and a summary.
 
-    python -m devkit.demo [--threads 4] [--requests 16] [--keep-running]
+    python -m devkit.demo [--threads 4] [--requests 16] [--keep-running] [--ha]
+
+With --ha the store is an HA master group (etcd, two masters with the oplog, a store node) and
+the leader is killed between the passes: pass 2 still reads the prefixes from the store.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import time
 from collections import defaultdict
 
 from connector.metric_catalog import PREFIX as P
+from devkit.ha_cluster import HaCluster
+from devkit.local_cluster import _wait_segment_mounted
 from devkit.stack import local_stack
 from devkit.vllm_server import metric_sum
 
@@ -69,13 +74,24 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--keep-running", action="store_true",
                     help="leave the stack up until Ctrl-C (scrape /metrics yourself)")
+    ap.add_argument("--ha", action="store_true",
+                    help="HA master group; SIGKILL the leader between the passes")
     args = ap.parse_args()
 
-    with local_stack(args.threads, master_lookup_sample_ratio=1.0) as server:
+    ha = HaCluster() if args.ha else None
+    with local_stack(args.threads, ha=ha, master_lookup_sample_ratio=1.0) as server:
         prompts = workload(args.requests)
         print(f"demo: pass 1, {len(prompts)} requests: compute and save to the store")
         first = [server.complete(p) for p in prompts]
-        time.sleep(1.0)  # let the save thread drain
+        time.sleep(1.5)  # let the save thread drain (and the standby apply the oplog)
+        if ha is not None:
+            old = ha.leader()
+            t0 = time.monotonic()
+            old.kill()
+            new = ha.wait_serving(60, exclude=old)
+            _wait_segment_mounted(ha)
+            print(f"demo: leader {old.address} killed; {new.address} serves "
+                  f"{time.monotonic() - t0:.1f} s later with the metadata")
         server.reset_prefix_cache()  # forget the local copy: pass 2 must read the store
         before = server.metrics()
         print("demo: pass 2, same requests after dropping vLLM's local prefix cache")

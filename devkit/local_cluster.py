@@ -48,17 +48,18 @@ class MooncakeMaster:
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mooncake-master-"))
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
+    host: str = HOST  # the address it binds and advertises
 
     @property
     def address(self) -> str:
-        return f"{HOST}:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def metadata_server(self) -> str:
-        return f"http://{HOST}:{self.http_port}/metadata"
+        return f"http://{self.host}:{self.http_port}/metadata"
 
-    def start(self) -> MooncakeMaster:
-        args = [
+    def command(self) -> list[str]:
+        return [
             _binary("mooncake_master"),
             f"--rpc_port={self.rpc_port}",
             f"--rpc_address={HOST}",
@@ -70,13 +71,15 @@ class MooncakeMaster:
             "--rpc_enable_tcp_no_delay=true",
             *self.extra_args,
         ]
-        self.proc = spawn(args, Path(self.log_dir) / "master.log")
+
+    def start(self) -> MooncakeMaster:
+        self.proc = spawn(self.command(), Path(self.log_dir) / "master.log")
         wait_port(self.rpc_port, self.proc, "mooncake_master")
         wait_port(self.http_port, self.proc, "mooncake_master metadata server")
         return self
 
     def metrics_text(self) -> str:
-        url = f"http://{HOST}:{self.metrics_port}/metrics"
+        url = f"http://{self.host}:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.read().decode()
 
@@ -118,6 +121,7 @@ class StoreNode:
     master: MooncakeMaster
     segment_size: str = "1GB"
     port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)  # e.g. MC_STORE_CLUSTER_ID for HA
     proc: subprocess.Popen | None = None
 
     def start(self) -> StoreNode:
@@ -131,7 +135,8 @@ class StoreNode:
             f"--global_segment_size={self.segment_size}",
             "--local_buffer_size=16MB",
         ]
-        self.proc = spawn(args, Path(self.master.log_dir) / f"store-node-{self.port}.log")
+        self.proc = spawn(args, Path(self.master.log_dir) / f"store-node-{self.port}.log",
+                          env={**os.environ, **self.env})
         wait_port(self.port, self.proc, "mooncake_client store node")
         _wait_segment_mounted(self.master)
         return self

@@ -15,7 +15,7 @@ VENV=${VENV:-.venv}
 TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 
 need_apt=()
-for pkg in libibverbs1 librdmacm1 libnuma1 prometheus etcd-server; do
+for pkg in libibverbs1 librdmacm1 libnuma1 prometheus etcd-server iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 # Debian's python3 needs python3-venv for `-m venv`; Node.js only when no npm is on PATH (a

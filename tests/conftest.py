@@ -20,6 +20,7 @@ from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config
 from tests.worker_kit import make_worker_on  # noqa: F401 - shared fixture
 
+POOLED_SERVICE = "pooled-server"  # OTEL_SERVICE_NAME of `pooled_server`'s spans
 PREFIX_TOKENS = 320  # 10 blocks of 32
 SUFFIX_TOKENS = 48
 
@@ -95,17 +96,19 @@ def otlp_collector():
 @pytest.fixture(scope="session")
 def pooled_server(tiny_model, master, filled_store, otlp_collector):
     """A fresh engine with 4 receive threads over the filled store; every load's master lookup
-    is timed and every job is traced to a real OTLP collector. Its master RPCs take a 10 ms
-    round trip (as across a datacenter), so a burst of loads really queues: on loopback a
-    load takes about a millisecond and the queue drains within one engine step."""
+    is timed and every job is traced (OTEL_TRACES_SAMPLER=always_on) to a real OTLP collector.
+    Its master RPCs take a 10 ms round trip (as across a datacenter), so a burst of loads
+    really queues: on loopback a load takes about a millisecond and the queue drains within
+    one engine step."""
     from bench.proxy import DelayProxy
 
     proxy = DelayProxy(master.address, rtt_ms=10.0).start()
     extra = engine_extra(master, cache_prefix=filled_store, load_threads=4,
                          master_lookup_sample_ratio=1.0)
     extra["master_server_address"] = proxy.address
-    server = VllmServer(tiny_model, connector_kv_config(extra),
-                        env=otlp_collector.otel_env(sample_ratio=1.0)).start()
+    env = {**otlp_collector.otel_env(), "OTEL_TRACES_SAMPLER": "always_on",
+           "OTEL_SERVICE_NAME": POOLED_SERVICE}
+    server = VllmServer(tiny_model, connector_kv_config(extra), env=env).start()
     yield server
     server.stop()
     proxy.stop()

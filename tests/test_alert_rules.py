@@ -25,8 +25,12 @@ EXPECTED_ALERTS = {
     "MooncakePoolLoadQueueSaturated",
     "MooncakePoolMasterLookupSlow",
     "MooncakePoolStoreHitRateZero",
+    "MooncakePoolStoreHitRateCollapsed",
     "MooncakePoolNoSuccessfulStoreOps",
     "MooncakePoolMasterUnreachable",
+    "MooncakePoolStoreCallsStuck",
+    "MooncakeMasterNoServingLeader",
+    "MooncakeMasterStandbyNotFollowing",
 }
 
 
@@ -83,7 +87,7 @@ def test_every_alert_is_documented_and_tested():
 
 
 def test_alert_metrics_are_exported_by_the_connector():
-    allowed = promql.exported_names() | set(promql.VLLM_CORE)
+    allowed = promql.exported_names() | set(promql.VLLM_CORE) | set(promql.MASTER_HA)
     for r in _rules():
         names = promql.metric_names(r["expr"])
         assert names, r["alert"]
@@ -96,12 +100,15 @@ def test_alert_test_series_are_exported_by_the_connector():
     for f in promql.CATALOG.FAMILIES:
         for s in (("_bucket", "_sum", "_count") if f.kind == "histogram" else ("",)):
             families[f.name + s if s else f.exported] = f
-    target_labels = {"job", "instance", "pod"}
+    target_labels = {"job", "instance", "pod", "vllm_deployment"}
     for t in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
         for s in t["input_series"]:
             name, _, rest = s["series"].partition("{")
-            assert name in families, name
             labels = {kv.split("=")[0].strip() for kv in rest.rstrip("}").split(",")}
+            if name in promql.MASTER_HA:  # a master's own series: target labels only
+                assert labels == {"job", "instance"}, s["series"]
+                continue
+            assert name in families, name
             f = families[name]
             want = {"model_name", "engine", *f.labels} | ({"le"} if name.endswith("_bucket")
                                                           else set())

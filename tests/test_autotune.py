@@ -162,7 +162,7 @@ def test_config_auto():
 def test_worker_auto_exports_active_count(make_worker_on, master, store_node):
     w = make_worker_on(master, threads="auto", prefix="auto", load_threads_max=4)
     assert w.pool.size == 4
-    g = w._gauges()
+    g = w.recorder.current_gauges()
     assert g["recv_threads|0"] == 4 and 1 <= g["recv_threads_active|0"] <= 4
     hs = hashes("auto", 16)
     run_step(w, StepMetadata(saves=(BlockTransfer("seed", tuple(range(16)), hs),),
@@ -170,7 +170,7 @@ def test_worker_auto_exports_active_count(make_worker_on, master, store_node):
     loads = tuple(BlockTransfer(f"r{i}", tuple(range(16)), hs) for i in range(300))
     done, errors = run_step(w, StepMetadata(loads=loads), timeout=120)
     assert len(done) == 300 and errors == set()
-    assert w._gauges()["recv_threads_active|0"] == w.pool.active
+    assert w.recorder.current_gauges()["recv_threads_active|0"] == w.pool.active
 
 
 @pytest.mark.parametrize("seed", range(5))

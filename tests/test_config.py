@@ -262,3 +262,14 @@ def test_dataclass_defaults_come_from_the_catalogue():
         assert BY_NAME[required].default is None
         del declared[required]
     assert all(BY_NAME[n].default == d for n, d in declared.items())
+
+
+def test_readme_module_table_lists_every_module():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(re.findall(r"`([a-z_]+\.py)`", (root / "README.md").read_text()
+                            .split("| module | job |")[1].split("Contracts")[0]))
+    modules = {p.name for p in (root / "connector").glob("*.py")} - {"__init__.py"}
+    assert listed == modules

@@ -172,15 +172,15 @@ def master_metric_names() -> set[str]:
 
 def test_every_metric_exists(master_metric_names):
     connector = promql.exported_names()
-    allowed = connector | set(promql.VLLM_CORE) | master_metric_names
+    allowed = connector | set(promql.VLLM_CORE) | master_metric_names | set(promql.MASTER_HA)
     unknown = []
     for name, title, expr in _exprs() + _variable_selectors():
         names = promql.metric_names(expr)
         assert names, f"{name}: {title}: no metric in {expr}"
         unknown += [f"{name}: {title}: {m}" for m in sorted(names - allowed)]
         for m in names:
-            if not m.startswith(("vllm:", "master_")):
-                unknown.append(f"{name}: {title}: {m} is neither vllm: nor master_")
+            if not m.startswith(("vllm:", "master_", "ha_")):
+                unknown.append(f"{name}: {title}: {m} is neither vllm:, master_ nor ha_")
     assert not unknown, "\n".join(unknown)
 
 
@@ -195,12 +195,12 @@ def test_every_connector_family_is_on_a_dashboard():
     assert not missing, f"families without a panel: {missing}"
 
 
-_SELECTOR = re.compile(r"((?:vllm:|master_)[A-Za-z0-9_:]*)(\{[^}]*\})?")
+_SELECTOR = re.compile(r"((?:vllm:|master_|ha_)[A-Za-z0-9_:]*)(\{[^}]*\})?")
 
 
 def _wanted_filters(metric: str, by_exported: dict) -> dict[str, str]:
     """label -> variable every selector of `metric` must carry."""
-    if metric.startswith("master_"):
+    if metric.startswith(("master_", "ha_")):
         return {"instance": "master"}
     labels = ("model_name", "pod") + tuple(by_exported[metric].labels if metric in by_exported
                                            else ())
@@ -280,3 +280,26 @@ def test_vllm_allow_list_matches_vllm():
     for name in promql.VLLM_CORE:
         base = re.sub(r"_(total|bucket|sum|count)$", "", name)
         assert f'"{base}"' in source, f"{base} not defined by vLLM {spec.origin}"
+
+
+def test_exemplar_panels_link_to_traces():
+    """Every panel over an exemplar family asks Grafana for exemplars, and the provisioned
+    Prometheus data source links the exemplar label holding the trace id to a traces source."""
+    import yaml
+
+    cat = promql.CATALOG
+    for fam in cat.EXEMPLAR_FAMILIES:
+        bucket = cat.BY_KEY[fam].name + "_bucket"
+        panels = [p for d in _dashboards().values() for p in _panels(d)
+                  if any(bucket in t["expr"] for t in p.get("targets", []))]
+        assert panels, f"no panel shows {bucket}"
+        for p in panels:
+            assert all(t.get("exemplar") for t in p["targets"]), p["title"]
+    ds = yaml.safe_load((DASH_DIR / "grafana-datasources.yaml").read_text())["datasources"]
+    by_uid = {d["uid"]: d for d in ds}
+    dests = [dest for d in ds if d["type"] == "prometheus"
+             for dest in d["jsonData"]["exemplarTraceIdDestinations"]]
+    assert dests
+    for dest in dests:
+        assert dest["name"] == cat.EXEMPLAR_LABELS[0]  # "trace_id", as connector/prom.py writes
+        assert by_uid[dest["datasourceUid"]]["type"] in ("tempo", "jaeger", "zipkin")

@@ -77,7 +77,7 @@ def test_loads_past_deadline_are_recomputed_and_never_written(make_worker_on, cl
         t0 = time.monotonic()
         done, errors = run_step(w, StepMetadata(loads=loads), timeout=TIMEOUT_S + 10)
         took = time.monotonic() - t0
-        g = w._gauges()
+        g = w.recorder.current_gauges()
     assert done == {t.req_id for t in loads}
     assert errors == {b for t in loads for b in t.block_ids}  # all recomputed
     assert took < TIMEOUT_S + 3, f"burst took {took:.1f}s with load_timeout_s={TIMEOUT_S}"
@@ -125,7 +125,7 @@ def test_save_past_deadline_releases_blocks_and_removes_late_writes(make_worker_
         done, _ = run_step(w, StepMetadata(saves=(BlockTransfer("s", (0, 1, 2, 3), hs),),
                                            free_after_jobs=("s",)), timeout=TIMEOUT_S + 10)
         assert done == {"s"} and time.monotonic() - t0 < TIMEOUT_S + 3
-        assert w._gauges()["threads_stuck|0|save"] == 1
+        assert w.recorder.current_gauges()["threads_stuck|0|save"] == 1
         # The next save runs on the replacement thread while the stuck one waits.
     wait_until(lambda: w.save_pool.stuck == 0, 40, "the stuck save never returned")
     c = w.recorder.snapshot().data["c"]

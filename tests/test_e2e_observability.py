@@ -1,20 +1,29 @@
 """A real `vllm serve` with 4 receive threads: every connector family shows up on vLLM's own
 /metrics with samples for each thread that did work, the queue-depth gauge rises during a
 burst, and spans reach a real OTLP collector with the right names, links and attributes.
+With OTEL_TRACES_SAMPLER=always_on every load job has its spans, and the job and transfer
+histograms carry their trace ids as exemplars that a real Prometheus stores. A second engine
+(always_off, the default lookup-probe ratio) exports the known series as 0 before any load,
+shows a lookup sample on every thread that worked under light traffic, and exports no span.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from connector.metric_catalog import FAMILIES, PREFIX
-from devkit.vllm_server import BLOCK_SIZE, metric_sum
-from tests.conftest import corrupt_stored_block
+from connector.metric_catalog import FAMILIES, KNOWN_FAILURES, LOOKUP_RESULTS, PREFIX
+from dashboards.local_prometheus import LocalPrometheus
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
+from tests.conftest import POOLED_SERVICE, corrupt_stored_block, engine_extra
+
+QUIET_SERVICE = "always-off-engine"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +38,7 @@ def burst(pooled_server, prompts, store_client, filled_store):
     corrupt_stored_block(pooled_server, store_client, filled_store, broken, 2)
     pooled_server.reset_prefix_cache()
     before = pooled_server.metrics()
+    t0 = time.time_ns()
     depth_seen: list[float] = []
     stop = threading.Event()
 
@@ -46,7 +56,7 @@ def burst(pooled_server, prompts, store_client, filled_store):
     stop.set()
     scraper.join()
     after = pooled_server.metrics()
-    return before, after, depth_seen
+    return before, after, depth_seen, (t0, time.time_ns())
 
 
 def samples_of(metrics: dict[str, float], family) -> dict[str, float]:
@@ -56,11 +66,17 @@ def samples_of(metrics: dict[str, float], family) -> dict[str, float]:
 
 
 def test_every_family_has_samples(burst):
-    _, after, _ = burst
+    _, after, _, _ = burst
+    # Counters of trouble a healthy engine never meets (a hung store call, a tuner error):
+    # exported at 0 from startup; the fault tests (test_deadlines) see them move.
+    zero_when_healthy = {"threads_replaced", "autotune_errors", "master_failovers",
+                         "master_down_seconds"}
     for fam in FAMILIES:
         got = samples_of(after, fam)
         assert got, f"{fam.exported} missing from /metrics"
-        if fam.kind != "gauge":  # the burst includes a failed load, so failures count too
+        if fam.key in zero_when_healthy:
+            assert all(v == 0 for v in got.values()), (fam.exported, got)
+        elif fam.kind != "gauge":  # the burst includes a failed load, so failures count too
             assert any(v > 0 for v in got.values()), f"{fam.exported} has no non-zero sample"
     assert metric_sum(after, PREFIX + "failures_total", op="load", code="-600") >= 1
     assert metric_sum(after, PREFIX + "save_skipped_keys_total") > 0
@@ -68,7 +84,7 @@ def test_every_family_has_samples(burst):
 
 
 def test_per_thread_families_for_each_thread_that_worked(burst):
-    before, after, _ = burst
+    before, after, _, _ = burst
     delta = {k: after[k] - before.get(k, 0) for k in after}
     worked = [t for t in "0123" if metric_sum(delta, PREFIX + "load_jobs_total", thread=t) > 0]
     assert len(worked) >= 2, "a burst should spread over the pool"
@@ -81,7 +97,7 @@ def test_per_thread_families_for_each_thread_that_worked(burst):
 
 
 def test_queue_depth_rises_during_burst_and_returns_to_zero(burst):
-    _, after, depth_seen = burst
+    _, after, depth_seen, _ = burst
     assert max(depth_seen) > 0, (len(depth_seen), sorted(set(depth_seen)))
     assert metric_sum(after, PREFIX + "load_queue_depth") == 0
 
@@ -115,3 +131,145 @@ def test_spans_reach_the_collector(burst, otlp_collector):
     saves = [s for s in spans if s.name == "mooncake.save"]
     assert saves
     assert {c.name for c in children[saves[0].span_id]} == {"ready_wait", "exists", "put"}
+
+
+def children_of(spans) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for s in spans:
+        out.setdefault(s.parent_id, []).append(s)
+    return out
+
+
+def burst_loads(otlp_collector, window: tuple[int, int], expected: int) -> list:
+    """The `pooled_server` load spans that started during the burst (waiting up to 15 s)."""
+    deadline = time.monotonic() + 15
+    while True:
+        spans = otlp_collector.spans()
+        loads = [s for s in spans if s.name == "mooncake.load"
+                 and s.resource.get("service.name") == POOLED_SERVICE
+                 and window[0] <= s.start_ns <= window[1]]
+        if len(loads) >= expected or time.monotonic() > deadline:
+            return loads, spans
+        time.sleep(0.5)
+
+
+def test_always_on_traces_every_load_job_of_the_burst(burst, otlp_collector):
+    before, after, _, window = burst
+    jobs = metric_sum(after, PREFIX + "load_jobs_total") - \
+        metric_sum(before, PREFIX + "load_jobs_total")
+    assert jobs >= 10
+    loads, spans = burst_loads(otlp_collector, window, jobs)
+    assert len(loads) == jobs, f"{len(loads)} mooncake.load spans for {jobs} load jobs"
+    children = children_of(spans)
+    for load in loads:
+        assert {c.name for c in children.get(load.span_id, [])} == {
+            "queue_wait", "prepare", "master_lookup", "transfer"}
+
+
+def test_exemplars_link_histograms_to_exported_traces(burst, pooled_server, otlp_collector,
+                                                      tmp_path):
+    """vLLM's `/metrics/` mount serves OpenMetrics with exemplars; a real Prometheus with
+    exemplar storage keeps them, and their trace ids are traces the collector received."""
+    _, _, _, window = burst
+    req = urllib.request.Request(pooled_server.url + "/metrics/", headers={
+        "Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = r.read().decode()
+    assert re.search(r'pool_load_job_seconds_bucket\{.*\} [0-9.e+-]+ # \{span_id="[0-9a-f]{16}",'
+                     r'trace_id="[0-9a-f]{32}"\}', text), "no exemplar on /metrics/"
+    with urllib.request.urlopen(pooled_server.url + "/metrics", timeout=10) as r:
+        assert " # {" not in r.read().decode()  # the plain text format carries none
+    host_port = pooled_server.url.removeprefix("http://")
+    with LocalPrometheus({"vllm": [host_port]}, exemplars=True,
+                         metrics_paths={"vllm": "/metrics/"}, workdir=str(tmp_path)) as prom:
+        prom.wait_for_targets()
+        time.sleep(3)
+        stored: dict[str, set[str]] = {}
+        for fam in ("load_job_seconds", "load_transfer_seconds"):
+            res = prom.api("query_exemplars", query=f"{PREFIX}{fam}_bucket",
+                           start=window[0] / 1e9 - 60, end=time.time() + 1)
+            stored[fam] = {e["labels"]["trace_id"] for series in res
+                           for e in series["exemplars"]}
+    assert stored["load_job_seconds"] and stored["load_transfer_seconds"], stored
+    loads, _ = burst_loads(otlp_collector, (0, time.time_ns()), 1)
+    exported = {s.trace_id.lower() for s in loads}
+    for fam, ids in stored.items():
+        assert ids <= exported, f"{fam}: exemplar trace ids not in the collector: " \
+            f"{sorted(ids - exported)[:3]}"
+
+
+@pytest.fixture(scope="module")
+def quiet(tiny_model, master, filled_store, otlp_collector):
+    """An engine with the always_off sampler and the default lookup-probe ratio (0.1), its
+    /metrics scraped before any request, then light traffic: one round of the stored prompts."""
+    extra = engine_extra(master, cache_prefix=filled_store, load_threads=4)
+    env = {**otlp_collector.otel_env(), "OTEL_TRACES_SAMPLER": "always_off",
+           "OTEL_SERVICE_NAME": QUIET_SERVICE}
+    server = VllmServer(tiny_model, connector_kv_config(extra), env=env).start()
+    try:
+        startup = server.metrics()
+        yield server, startup
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def quiet_traffic(quiet, prompts):
+    server, _ = quiet
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda p: server.complete(p, max_tokens=4), prompts))
+    time.sleep(2.0)  # the last stats reach the API server; the trace thread would have run
+    return server.metrics()
+
+
+def test_known_series_are_zero_before_any_load(quiet, filled_store):
+    _, startup = quiet
+    assert metric_sum(startup, PREFIX + "load_jobs_total") == 0  # really before any load
+    for op, code in KNOWN_FAILURES:
+        got = [v for k, v in startup.items() if k.startswith(PREFIX + "failures_total{")
+               and f'code="{code}"' in k and f'op="{op}"' in k]
+        assert got == [0.0], (op, code, got)
+    for result in LOOKUP_RESULTS:
+        assert [v for k, v in startup.items() if k.startswith(PREFIX + "lookups_total{")
+                and f'result="{result}"' in k and f'cache_prefix="{filled_store}"' in k] == [0.0]
+    assert [v for k, v in startup.items()
+            if k.startswith(PREFIX + "load_error_blocks_total{")] == [0.0]
+
+
+def test_light_traffic_shows_a_lookup_sample_on_every_thread_that_worked(quiet_traffic):
+    worked = [t for t in "0123"
+              if metric_sum(quiet_traffic, PREFIX + "load_jobs_total", thread=t) > 0]
+    assert worked, "the stored prompts should have been loaded"
+    jobs = metric_sum(quiet_traffic, PREFIX + "load_jobs_total")
+    assert jobs < 10 * len(worked), "light traffic: fewer than ten jobs per thread"
+    for t in worked:
+        assert metric_sum(quiet_traffic, PREFIX + "load_master_lookup_seconds_count",
+                          thread=t) > 0, f"thread {t} worked but shows no lookup sample"
+
+
+def test_lookups_and_tokens_carry_the_tenant(quiet_traffic, filled_store):
+    hits = metric_sum(quiet_traffic, PREFIX + "lookup_hit_tokens_total",
+                      cache_prefix=filled_store)
+    assert hits > 0
+    assert metric_sum(quiet_traffic, PREFIX + "lookups_total", cache_prefix=filled_store,
+                      result="hit") > 0
+
+
+def test_always_off_exports_no_connector_span(quiet, quiet_traffic, burst, otlp_collector):
+    """Enough jobs that the old fixed 0.05 ratio would have traced one (1 - 0.95^60 > 95%,
+    saves not counted)."""
+    server, _ = quiet
+    rng = random.Random(11)
+    fresh = [[rng.randrange(3, 1000) for _ in range(4 * BLOCK_SIZE + 3)] for _ in range(12)]
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda p: server.complete(p, max_tokens=2), fresh))
+        for _ in range(10):
+            server.reset_prefix_cache()
+            list(pool.map(lambda p: server.complete(p, max_tokens=2), fresh[:6]))
+    time.sleep(2.0)
+    after = server.metrics()
+    assert metric_sum(after, PREFIX + "load_jobs_total") >= 60
+    services = {s.resource.get("service.name") for s in otlp_collector.spans()}
+    assert POOLED_SERVICE in services  # the always_on engine's spans are there, by name
+    assert QUIET_SERVICE not in services

@@ -51,12 +51,12 @@ def prompts(seed: int, n: int = 8) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(10 * BLOCK_SIZE + 7)] for _ in range(n)]
 
 
-def fill_then_burst(server: VllmServer, work: list[list[int]], fault
+def fill_then_burst(server: VllmServer, work: list[list[int]], fault, first: bool = False
                     ) -> tuple[list, float, float]:
     """Serve `work` once (computed, saved), drop vLLM's local cache, then serve it again as a
-    concurrent burst while `fault()` runs; returns (reference outputs, seconds after the fault
-    until the whole burst completed, seconds the first, computed pass took) after checking
-    every output."""
+    concurrent burst while `fault()` runs (with `first`, just before the burst is sent);
+    returns (reference outputs, seconds after the fault until the whole burst completed,
+    seconds the first, computed pass took) after checking every output."""
     t0 = time.monotonic()
     reference = [server.complete(p) for p in work]
     compute_s = time.monotonic() - t0
@@ -65,13 +65,16 @@ def fill_then_burst(server: VllmServer, work: list[list[int]], fault
     faulted_at: list[float] = []
 
     def inject() -> None:
-        time.sleep(0.05)
+        if not first:
+            time.sleep(0.05)
         fault()
         faulted_at.append(time.monotonic())
 
     injector = threading.Thread(target=inject)
+    injector.start()
+    if first:
+        injector.join()
     with ThreadPoolExecutor(len(work)) as pool:
-        injector.start()
         outputs = list(pool.map(server.complete, work))
     done = time.monotonic()
     injector.join()
@@ -165,7 +168,7 @@ def test_shutdown_does_not_hang_with_jobs_queued(make_worker_on, cluster):
 
 @pytest.mark.parametrize("which", ["store_node", "master"])
 def test_frozen_peer_never_holds_a_request(fault_server, cluster, which):
-    """SIGSTOP (a frozen peer: TCP open, nothing answers) during a burst of store hits. A
+    """SIGSTOP (a frozen peer: TCP open, nothing answers), then a burst of store hits. A
     frozen store node holds the loads' calls: each is recomputed after load_timeout_s; a
     frozen master holds the lookups: each is a miss after lookup_timeout_s. Either way every
     request completes with the exact output within the deadline plus the time the burst takes
@@ -180,7 +183,7 @@ def test_frozen_peer_never_holds_a_request(fault_server, cluster, which):
     try:
         _, after_fault, compute_s = fill_then_burst(
             fault_server, prompts(3 if which == "master" else 4),
-            lambda: os.killpg(proc.pid, signal.SIGSTOP))
+            lambda: os.killpg(proc.pid, signal.SIGSTOP), first=True)
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
     print(f"burst completed {after_fault:.2f}s after the {which} froze (computing it took "

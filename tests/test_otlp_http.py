@@ -64,7 +64,8 @@ def sink():
 
 def event(code: str = "", parent=None) -> LoadEvent:
     t = time.perf_counter()
-    return LoadEvent(thread=3, tp_rank=1, trace_id="feed", keys=4, nbytes=-1 if code else 1 << 19,
+    return LoadEvent(thread=3, tp_rank=1, request_hash="feed", keys=4,
+                     nbytes=-1 if code else 1 << 19,
                      failed_blocks=4 if code else 0, code=code, t_enqueue=t, t_start=t + 0.001,
                      t_prepared=t + 0.002, t_lookup_end=t + 0.003, t_end=t + 0.004,
                      lookup_sampled=True, trace_parent=parent)
@@ -146,21 +147,29 @@ def test_collector_down_or_refusing_counts_failures():
         refusing.close()
 
 
-def test_sdk_provider_in_process_is_reused():
+def test_vllm_provider_is_not_exported_through():
+    """vLLM installs an SDK provider in every process when the endpoint variable is set;
+    exporting through it would sample the jobs a second time (its sampler reads the same
+    OTEL_TRACES_SAMPLER) and lose the connector's ids. It only makes grpc, vLLM's exporter
+    default, the default protocol."""
     from opentelemetry import trace
 
     from connector.tracing import SdkWriter, make_writer
 
     assert isinstance(make_writer({}, {}), OtlpWriter)
-    assert isinstance(make_writer({}, {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}), SdkWriter)
+    writers = [make_writer({}, {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})]
     provider = TracerProvider()
     orig = trace.get_tracer_provider
     trace.get_tracer_provider = lambda: provider
     try:
-        w = make_writer({}, {})
-        assert isinstance(w, SdkWriter) and w._provider is provider
+        writers.append(make_writer({}, {}))
+        explicit = make_writer({}, {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
     finally:
         trace.get_tracer_provider = orig
+    assert isinstance(explicit, OtlpWriter)
+    for w in writers:
+        assert isinstance(w, SdkWriter) and w._provider is not provider and w.honours_ids
+        w.shutdown()
 
 
 def test_varint_matches_protobuf():
@@ -171,3 +180,19 @@ def test_varint_matches_protobuf():
     assert AnyValue.FromString(otlp_http._any_value(2.5)).double_value == 2.5
     assert AnyValue.FromString(otlp_http._any_value(True)).bool_value is True
     assert AnyValue.FromString(otlp_http._any_value("ü")).string_value == "ü"
+
+
+def test_exemplar_ids_are_the_exported_span_ids(sink):
+    """The ids handed to the metrics (exemplars) when a job is sampled are the ids the root
+    `mooncake.load` span is posted with."""
+    writer = OtlpWriter({"service.name": "unit"}, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": sink.url})
+    told: list[tuple[str, str]] = []
+    exp = SpanExporter(1.0, 1, "worker", writer=writer,
+                       on_traced=lambda ev, trace_id, span_id: told.append((trace_id, span_id)))
+    for _ in range(3):
+        exp.on_load(event())
+    exp.shutdown()
+    roots = {(s.trace_id.hex(), s.span_id.hex()) for r in sink.decoded()
+             for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans
+             if s.name == "mooncake.load"}
+    assert len(told) == 3 and set(told) == roots

@@ -1,20 +1,38 @@
 """Stats payload: aggregation across TP ranks, vLLM's own msgpack transport, bounded size, and
-the Prometheus exporter fed with it."""
+the Prometheus exporter fed with it: known series at 0 from startup, the tenant label, and
+traced jobs as OpenMetrics exemplars."""
 
 from __future__ import annotations
 
 import pickle
 from types import SimpleNamespace
 
-from prometheus_client import Counter, Gauge, Histogram
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import REGISTRY
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from connector import PooledMooncakeStoreConnector
 from connector.events import LoadEvent, LookupEvent, SaveEvent
+from connector.metric_catalog import KNOWN_FAILURES
 from connector.prom import PooledStorePromMetrics
-from connector.stats import SAMPLE_CAP, PooledStoreStats, StatsRecorder
+from connector.stats import (
+    EXEMPLAR_CAP,
+    SAMPLE_CAP,
+    PooledStoreStats,
+    StatsRecorder,
+    WorkerGauges,
+    parse_key,
+    stat_key,
+)
+
+
+def gauges(depth: int) -> WorkerGauges:
+    return WorkerGauges(load_queue_depth=depth, save_queue_depth=0, recv_threads=1,
+                        recv_threads_active=1, load_inflight=(0,),
+                        threads_stuck={"load": 0, "save": 0}, staging_buffers=1, layout=None)
 
 
 def load_event(thread: int, rank: int, code: str = "", t: float = 100.0) -> LoadEvent:
@@ -23,7 +41,7 @@ def load_event(thread: int, rank: int, code: str = "", t: float = 100.0) -> Load
 
 
 def rank_stats(rank: int, threads: int = 2) -> PooledStoreStats:
-    rec = StatsRecorder(rank, threads, lambda: {f"load_queue_depth|{rank}": rank + 1})
+    rec = StatsRecorder(rank, threads, lambda: gauges(rank + 1))
     for t in range(threads):
         rec.on_load(load_event(t, rank))
     rec.on_load(load_event(0, rank, code="-704"))
@@ -38,7 +56,8 @@ def test_aggregate_across_tp_ranks_keeps_rank_and_thread_identity():
     assert c["load_jobs|0|0|ok"] == c["load_jobs|1|0|ok"] == 1
     assert c["failures|0|load|-704"] == c["failures|1|load|-704"] == 1
     assert c["load_error_blocks|1"] == 4
-    assert agg.data["g"] == {"load_queue_depth|0": 1, "load_queue_depth|1": 2}
+    g = agg.data["g"]
+    assert (g["load_queue_depth|0"], g["load_queue_depth|1"]) == (1, 2)  # one per rank
     assert len(agg.data["h"]["load_prepare_seconds|1|0"]) == 2
     assert not agg.is_empty()
     red = agg.reduce()
@@ -72,11 +91,22 @@ def test_payload_is_bounded():
 
 def test_idle_worker_sends_gauges_only_when_they_change():
     depth = {"v": 3}
-    rec = StatsRecorder(0, 1, lambda: {"load_queue_depth|0": depth["v"]})
-    assert rec.snapshot().data["g"] == {"load_queue_depth|0": 3}
+    rec = StatsRecorder(0, 1, lambda: gauges(depth["v"]))
+    assert rec.snapshot().data["g"]["load_queue_depth|0"] == 3
     assert rec.snapshot() is None
     depth["v"] = 0
-    assert rec.snapshot().data["g"] == {"load_queue_depth|0": 0}
+    assert rec.snapshot().data["g"]["load_queue_depth|0"] == 0
+
+
+def test_payload_keys_are_checked_against_the_catalogue():
+    assert stat_key("failures", 0, "load", "-704") == "failures|0|load|-704"
+    fam, labels = parse_key("load_jobs|1|3|ok")
+    assert fam.key == "load_jobs" and labels == {"tp_rank": "1", "thread": "3", "status": "ok"}
+    assert parse_key("lookups|hit")[1] == {"result": "hit"}  # cache_prefix comes from config
+    for bad in (("load_job", 0, 1), ("load_jobs", 0, 1)):  # misspelt family, a label short
+        with pytest.raises(ValueError, match="stats key"):
+            stat_key(*bad)
+    assert parse_key("nonsense|1") is None and parse_key("load_jobs|0") is None
 
 
 def test_prometheus_export_and_duplicate_registration():
@@ -98,3 +128,85 @@ def test_prometheus_export_and_duplicate_registration():
                "tp_rank": "0", "op": "load", "code": "-704"}) == 1
     # 50 us resolution at the bottom of the latency buckets.
     assert get("vllm:mooncake_pool_load_prepare_seconds_bucket", {**labels, "le": "5e-05"}) == 0
+
+
+def fresh_types():
+    """Metric classes on a registry of their own (a test's families start empty)."""
+    reg = CollectorRegistry()
+
+    def on(cls):
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **kw:
+                                           cls.__init__(self, *a, registry=reg, **kw)})
+    return {Gauge: on(Gauge), Counter: on(Counter), Histogram: on(Histogram)}, reg
+
+
+def vllm_cfg(tp: int = 2, **extra) -> SimpleNamespace:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={
+            "master_server_address": "127.0.0.1:1", "metadata_server": "P2PHANDSHAKE",
+            **extra}))
+
+
+def test_known_series_are_exported_as_zero_from_startup():
+    types, reg = fresh_types()
+    PooledStorePromMetrics(vllm_cfg(tp=2, cache_prefix="tenant-a"), types,
+                           ["model_name", "engine"], {0: ["m", "0"]})
+    text = generate_latest(reg).decode()
+    base = {"model_name": "m", "engine": "0"}
+    for rank in ("0", "1"):
+        for op, code in KNOWN_FAILURES:
+            if op != "lookup" or rank == "0":
+                assert reg.get_sample_value("vllm:mooncake_pool_failures_total", {
+                    **base, "tp_rank": rank, "op": op, "code": code}) == 0, (rank, op, code)
+        assert reg.get_sample_value("vllm:mooncake_pool_load_error_blocks_total",
+                                    {**base, "tp_rank": rank}) == 0
+    for result in ("hit", "miss", "error", "timeout"):
+        assert reg.get_sample_value("vllm:mooncake_pool_lookups_total", {
+            **base, "cache_prefix": "tenant-a", "result": result}) == 0
+    assert reg.get_sample_value("vllm:mooncake_pool_lookup_hit_tokens_total",
+                                {**base, "cache_prefix": "tenant-a"}) == 0
+    assert 'tp_rank="2"' not in text  # bounded: only the engine's ranks
+
+
+def test_lookups_carry_the_cache_prefix_of_the_config():
+    types, reg = fresh_types()
+    prom = PooledStorePromMetrics(vllm_cfg(tp=1, cache_prefix="tenant-b"), types,
+                                  ["model_name", "engine"], {0: ["m", "0"]})
+    rec = StatsRecorder()
+    rec.on_lookup(LookupEvent("hit", 8, 64, 32, 0.001))
+    prom.observe(rec.snapshot().data, 0)
+    labels = {"model_name": "m", "engine": "0", "cache_prefix": "tenant-b"}
+    assert reg.get_sample_value("vllm:mooncake_pool_lookups_total",
+                                {**labels, "result": "hit"}) == 1
+    assert reg.get_sample_value("vllm:mooncake_pool_lookup_hit_tokens_total", labels) == 64
+    assert reg.get_sample_value("vllm:mooncake_pool_lookup_miss_tokens_total", labels) == 32
+
+
+def test_traced_jobs_become_openmetrics_exemplars_counted_once():
+    rec = StatsRecorder(0, 1)
+    traced, plain = load_event(0, 0, t=1.0), load_event(0, 0, t=2.0)
+    rec.on_load(traced)
+    rec.traced_load(traced, "ab" * 16, "cd" * 8)
+    rec.on_load(plain)
+    rec.traced_load(traced, "ef" * 16, "01" * 8)  # not the thread's last job any more: ignored
+    data = rec.snapshot().data
+    job = "load_job_seconds|0|0"
+    assert data["x"][job] == [[traced.t_end - traced.t_enqueue, "ab" * 16, "cd" * 8]]
+    assert len(data["h"][job]) == 1 and len(data["x"]["load_transfer_seconds|0|0"]) == 1
+    merged = PooledStoreStats(data=pickle.loads(pickle.dumps(data)))
+    for _ in range(EXEMPLAR_CAP + 1):  # past the cap exemplars are plain samples again
+        merged.aggregate(PooledStoreStats(data=pickle.loads(pickle.dumps(data))))
+    assert len(merged.data["x"][job]) == EXEMPLAR_CAP
+    assert len(merged.data["x"][job]) + len(merged.data["h"][job]) == 2 * (EXEMPLAR_CAP + 2)
+    types, reg = fresh_types()
+    prom = PooledStorePromMetrics(vllm_cfg(tp=1), types, ["model_name", "engine"],
+                                  {0: ["m", "0"]})
+    prom.observe(data, 0)
+    labels = {"model_name": "m", "engine": "0", "tp_rank": "0", "thread": "0"}
+    assert reg.get_sample_value("vllm:mooncake_pool_load_job_seconds_count", labels) == 2
+    om = openmetrics.generate_latest(reg).decode()
+    bucket = next(line for line in om.splitlines()  # `vllm:` is escaped to `vllm_` here
+                  if "pool_load_job_seconds_bucket" in line and " # " in line)
+    assert f'# {{span_id="{"cd" * 8}",trace_id="{"ab" * 16}"}}' in bucket
+    assert " # " not in generate_latest(reg).decode()  # the text format has no exemplars

@@ -37,7 +37,7 @@ def traced():
 
 def load_event(code: str = "", parent=None, sampled: bool = True) -> LoadEvent:
     t = time.perf_counter()
-    return LoadEvent(thread=2, tp_rank=0, trace_id="abcd", keys=4, nbytes=4096,
+    return LoadEvent(thread=2, tp_rank=0, request_hash="abcd", keys=4, nbytes=4096,
                      failed_blocks=4 if code else 0, code=code, t_enqueue=t, t_start=t + 0.001,
                      t_prepared=t + 0.002, t_lookup_end=t + 0.003 if sampled else t + 0.002,
                      t_end=t + 0.004, lookup_sampled=sampled, trace_parent=parent)
@@ -69,7 +69,7 @@ def test_failed_load_sets_error_status_and_save_spans(traced):
     exp = make()
     exp.on_load(load_event(code="-704", sampled=False))
     t = time.perf_counter()
-    exp.on_save(SaveEvent(tp_rank=0, trace_id="ef", keys=2, skipped=1, nbytes=10, code="",
+    exp.on_save(SaveEvent(tp_rank=0, request_hash="ef", keys=2, skipped=1, nbytes=10, code="",
                           failed_op="save", t_enqueue=t, t_start=t, t_ready=t, t_exists_end=t,
                           t_end=t + 0.001))
     exp.flush()
@@ -99,3 +99,23 @@ def test_full_queue_drops_and_counts(traced, monkeypatch):
     assert exp.dropped == 7
     exp.shutdown()  # drains what was queued
     assert len([s for s in memory.get_finished_spans() if s.name == "mooncake.load"]) == 3
+
+
+def test_sdk_writer_of_our_own_uses_the_sampled_ids():
+    """The ids told to the metrics (exemplars) are the ids of the exported root span, through
+    the SDK too (its id generator hands over the ids the sampler chose)."""
+    memory = InMemorySpanExporter()
+    ids = tracing.PresetIds()
+    provider = TracerProvider(id_generator=ids)
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    told: list[tuple[str, str]] = []
+    exp = SpanExporter(1.0, 0, "test", writer=SdkWriter(provider, False, ids),
+                       on_traced=lambda ev, trace_id, span_id: told.append((trace_id, span_id)))
+    for _ in range(3):
+        exp.on_load(load_event())
+    exp.shutdown()
+    roots = [s for s in memory.get_finished_spans() if s.name == "mooncake.load"]
+    assert {(f"{s.context.trace_id:032x}", f"{s.context.span_id:016x}") for s in roots} == \
+        set(told) and len(told) == 3
+    kids = [s for s in memory.get_finished_spans() if s.name != "mooncake.load"]
+    assert len({s.context.span_id for s in kids + roots}) == len(kids) + len(roots)

@@ -73,7 +73,8 @@ def test_missing_key_reports_exactly_its_blocks(make_worker, mode):
     assert errors == {42}
     assert w.recorder.snapshot().data["c"]["failures|0|load|-704"] == 1
     transfer = "staged" if mode == "staged" else "multibuffer"
-    assert any(k.startswith("layout_info|") and k.endswith(f"|{transfer}") for k in w._gauges())
+    assert any(k.startswith("layout_info|") and k.endswith(f"|{transfer}")
+               for k in w.recorder.current_gauges())
     for n, t in caches.items():  # the blocks that arrived are in place, block 42 untouched
         assert torch.equal(t[:, [40, 41, 43, 44, 45]], before[n][:, [0, 1, 3, 4, 5]])
         assert torch.equal(t[:, 42], before[n][:, 42])
