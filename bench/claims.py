@@ -3,7 +3,7 @@ JSON files, so that the prose cannot drift from the runs.
 
 A quoted passage sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; `RENDERERS[NAME]`
 writes it from the JSON. `python -m bench.claims` rewrites every marked passage in place after a
-new run; `--check` exits 1 if any differs (tests/test_claims.py does the same).
+new run; `--check` exits 1 if any differs (tests/unit/test_claims.py does the same).
 """
 
 from __future__ import annotations

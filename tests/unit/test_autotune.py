@@ -8,9 +8,7 @@ import pytest
 
 from connector.autotune import MAX_HOLD, MEASURE_WINDOWS, HillClimber, ThreadTuner, Window
 from connector.config import ConfigError, load_config
-from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool
-from tests.worker_kit import hashes, run_step
 
 BASE = {"master_server_address": "127.0.0.1:50051",
         "metadata_server": "http://127.0.0.1:8080/metadata"}
@@ -157,20 +155,6 @@ def test_config_auto():
         load_config({**BASE, "load_threads": 2, "load_threads_max": 4}, {})
     with pytest.raises(ConfigError, match="load_threads_max"):
         load_config({**BASE, "load_threads": "auto", "load_threads_max": 0}, {})
-
-
-def test_worker_auto_exports_active_count(make_worker_on, master, store_node):
-    w = make_worker_on(master, threads="auto", prefix="auto", load_threads_max=4)
-    assert w.pool.size == 4
-    g = w.recorder.current_gauges()
-    assert g["recv_threads|0"] == 4 and 1 <= g["recv_threads_active|0"] <= 4
-    hs = hashes("auto", 16)
-    run_step(w, StepMetadata(saves=(BlockTransfer("seed", tuple(range(16)), hs),),
-                             free_after_jobs=("seed",)))
-    loads = tuple(BlockTransfer(f"r{i}", tuple(range(16)), hs) for i in range(300))
-    done, errors = run_step(w, StepMetadata(loads=loads), timeout=120)
-    assert len(done) == 300 and errors == set()
-    assert w.recorder.current_gauges()["recv_threads_active|0"] == w.pool.active
 
 
 @pytest.mark.parametrize("seed", range(5))

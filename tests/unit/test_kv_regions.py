@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from connector.kv_regions import LayoutError, compute_regions
-from tests.test_staging import NB, layouts
+from tests.unit.test_staging import NB, layouts
 
 
 @pytest.mark.parametrize("name", list(layouts()))

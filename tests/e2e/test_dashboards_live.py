@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -39,7 +39,7 @@ EXPECTED_EMPTY: dict[tuple[str, str, str], str] = {
         "(its 'all ops and codes' target reads 0)",
     ("errors-and-store.json", "Failovers", "HA state changes {{instance}}"):
         "this run's master has no HA (a single master exports no ha_state_transitions_total); "
-        "tests/test_ha_failover.py checks the HA families on a live HA group",
+        "tests/e2e/test_ha_failover.py checks the HA families on a live HA group",
 }
 
 # Alerts whose condition this test machine may meet on a healthy run -> why.

@@ -36,7 +36,7 @@ import yaml
 from devkit.local_cluster import free_port
 from devkit.processes import spawn, stop_process, wait_http, wait_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "mooncake-pooled-connector"
 HELM = ROOT / "bin" / "helm"
 VENV_BIN = Path(sys.executable).parent

@@ -65,7 +65,7 @@ def test_same_layout_same_keys_across_processes():
 
     from connector.keys import kv_signature
 
-    code = ("from tests.test_keys import BASE, H, _caches; from connector.keys import "
+    code = ("from tests.unit.test_keys import BASE, H, _caches; from connector.keys import "
             "KeyBuilder, kv_signature; print(KeyBuilder('p', BASE).with_signature("
             "kv_signature(_caches('HND'), 64, 'CPU_ATTN')).keys(H, 1)[0])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

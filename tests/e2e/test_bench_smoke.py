@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROW_FIELDS = {"workload", "driver", "threads", "gbps", "p50_ms", "p99_ms", "ratio_to_1_thread",
               "ratio_to_ceiling", "master_rtt_ms", "blocks_per_job", "time_shares",
               "cpu_cores", "error_blocks", "verified_blocks"}

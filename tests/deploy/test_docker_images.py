@@ -17,7 +17,7 @@ import pytest
 import tomllib
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "docker" / "Dockerfile"
 CPU = ROOT / "docker" / "Dockerfile.cpu"
 HADOLINT = ROOT / "bin" / "hadolint"

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from connector.config import RECV_THREADS_ENV, ConfigError, load_config, parse_size
-from connector.store import StoreHandle, StoreUnavailable, check_reachable
-from devkit.local_cluster import MooncakeMaster, free_port
-from devkit.vllm_server import VllmServer, connector_kv_config
 
 BASE = {"master_server_address": "127.0.0.1:50051",
         "metadata_server": "http://127.0.0.1:8080/metadata"}
@@ -182,51 +178,6 @@ def test_unknown_key_in_config_file(tmp_path):
     assert "protocl" in error_for(environ={"MOONCAKE_CONFIG_PATH": str(path)})
 
 
-def test_master_unreachable_fails_fast():
-    cfg = load_config({**BASE, "master_server_address": f"127.0.0.1:{free_port()}"}, {})
-    t0 = time.monotonic()
-    with pytest.raises(StoreUnavailable, match="master_server_address.*unreachable"):
-        check_reachable(cfg.store, timeout=1.0)
-    assert time.monotonic() - t0 < 5
-
-
-def test_degrade_mode_serves_without_store_then_connects():
-    late = MooncakeMaster()  # ports chosen, not started yet
-    cfg = load_config(late.store_config(on_master_unreachable="degrade"), {})
-    handle = StoreHandle(cfg.store, 0, 16 * 2**20, "degrade", timeout=0.5, retry_s=0.2)
-    try:
-        assert handle.client is None  # serving without the cache, no exception
-        late.start()
-        deadline = time.monotonic() + 30
-        while handle.client is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert handle.client is not None and handle.client.health_check() == 0
-    finally:
-        handle.close()
-        late.stop()
-
-
-def test_vllm_refuses_to_start_with_bad_thread_count(tiny_model, master):
-    """The whole engine stops at startup with the field named, instead of hanging."""
-    server = VllmServer(tiny_model, connector_kv_config(master.store_config(load_threads=0)))
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError) as e:
-        server.start(timeout=180)
-    assert time.monotonic() - t0 < 180
-    assert "load_threads: must be 1..64, got 0" in server.log_tail(400), e.value
-
-
-def test_vllm_refuses_to_start_when_master_unreachable(tiny_model):
-    late = MooncakeMaster()  # ports chosen, never started
-    server = VllmServer(tiny_model, connector_kv_config(late.store_config()))
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError):
-        server.start(timeout=180)
-    assert time.monotonic() - t0 < 120  # no 90 s setup() retry loop per process
-    assert f"master_server_address: Mooncake master {late.address} is unreachable" in \
-        server.log_tail(400)
-
-
 def test_readme_key_table_and_quoted_error_match_the_catalogue():
     """The README table is generated from KEYS, and the error it quotes is the real one."""
     import re
@@ -234,7 +185,7 @@ def test_readme_key_table_and_quoted_error_match_the_catalogue():
 
     from connector.config import HELM_SCHEMA, helm_extra_config, sync_helm_schema, sync_readme
 
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     assert sync_readme(str(readme), check=True), "run: python -m connector.config"
     assert sync_helm_schema(str(readme.parent / HELM_SCHEMA), check=True), \
         "the chart's extraConfig schema drifted from KEYS: run python -m connector.config"
@@ -268,7 +219,7 @@ def test_readme_module_table_lists_every_module():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     listed = set(re.findall(r"`([a-z_]+\.py)`", (root / "README.md").read_text()
                             .split("| module | job |")[1].split("Contracts")[0]))
     modules = {p.name for p in (root / "connector").glob("*.py")} - {"__init__.py"}

@@ -1,0 +1,37 @@
+"""Startup against a master that is not there yet: the probe fails fast with the field named,
+and degraded mode serves without the cache until the master appears."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from connector.config import load_config
+from connector.store import StoreHandle, StoreUnavailable, check_reachable
+from devkit.local_cluster import MooncakeMaster, free_port
+from tests.unit.test_config import BASE
+
+
+def test_master_unreachable_fails_fast():
+    cfg = load_config({**BASE, "master_server_address": f"127.0.0.1:{free_port()}"}, {})
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="master_server_address.*unreachable"):
+        check_reachable(cfg.store, timeout=1.0)
+    assert time.monotonic() - t0 < 5
+
+
+def test_degrade_mode_serves_without_store_then_connects():
+    late = MooncakeMaster()  # ports chosen, not started yet
+    cfg = load_config(late.store_config(on_master_unreachable="degrade"), {})
+    handle = StoreHandle(cfg.store, 0, 16 * 2**20, "degrade", timeout=0.5, retry_s=0.2)
+    try:
+        assert handle.client is None  # serving without the cache, no exception
+        late.start()
+        deadline = time.monotonic() + 30
+        while handle.client is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert handle.client is not None and handle.client.health_check() == 0
+    finally:
+        handle.close()
+        late.stop()
