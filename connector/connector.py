@@ -27,6 +27,7 @@ from connector.config import ConfigError, load_config
 from connector.keys import KeyBuilder, layout_from_vllm
 from connector.metadata import StepMetadata
 from connector.stats import PooledStoreStats
+from connector.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -72,13 +73,19 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         self.keys = KeyBuilder(self.config.cache_prefix, layout)
         self.scheduler = None
         self.worker = None
-        if role == KVConnectorRole.SCHEDULER:
-            from connector.scheduler import MooncakeStoreScheduler
+        try:
+            if role == KVConnectorRole.SCHEDULER:
+                from connector.scheduler import MooncakeStoreScheduler
 
-            self.scheduler = MooncakeStoreScheduler(self.config, self.keys,
-                                                    vllm_config.cache_config.block_size)
-        else:
-            self._start_worker(vllm_config, kv_cache_config)
+                self.scheduler = MooncakeStoreScheduler(self.config, self.keys,
+                                                        vllm_config.cache_config.block_size)
+            else:
+                self._start_worker(vllm_config, kv_cache_config)
+        except StoreUnavailable as e:
+            # An outage, not a bad config: one line naming the endpoint, above vLLM's trace.
+            logger.error("PooledMooncakeStoreConnector: the Mooncake store is unreachable "
+                         "(on_master_unreachable=fail): %s", e)
+            raise
 
     def _start_worker(self, vllm_config: Any, kv_cache_config: Any) -> None:
         from connector.worker import MooncakeStoreWorker

@@ -22,7 +22,7 @@ from connector.metadata import BlockTransfer, StepMetadata
 from connector.stats import StatsRecorder
 from connector.store import (
     EXCEPTION_CODE,
-    MASTER_DOWN_CODES,
+    StoreError,
     StoreHandle,
     error_code_label,
 )
@@ -30,12 +30,6 @@ from connector.store import (
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
 FIRST_WINDOW = 16  # blocks probed by the first batch_is_exist; later windows grow 4x
-
-
-class LookupFailed(Exception):
-    def __init__(self, code: str) -> None:
-        super().__init__(code)
-        self.code = code
 
 
 @dataclass
@@ -154,11 +148,10 @@ class MooncakeStoreScheduler:
                 chunk = hashes[found:found + window]
                 keys = self._keys.all_rank_keys(chunk)
                 probed += len(keys)
-                res = self._store.client.batch_is_exist(keys)
+                res = self._store.require().batch_is_exist(keys)
                 if any(r < 0 for r in res):
-                    if min(res) in MASTER_DOWN_CODES:
-                        self._store.trip(min(res))
-                    raise LookupFailed(error_code_label(min(res)))
+                    self._store.check(res)
+                    raise StoreError(error_code_label(min(res)))
                 n = next((i for i in range(len(chunk)) if 0 in res[i * tp:(i + 1) * tp]),
                          len(chunk))
                 found += n
@@ -166,7 +159,7 @@ class MooncakeStoreScheduler:
                     break
                 window *= 4
         except Exception as e:  # noqa: BLE001 - any failure is a miss, counted by code
-            code = e.code if isinstance(e, LookupFailed) else EXCEPTION_CODE
+            code = e.code if isinstance(e, StoreError) else EXCEPTION_CODE
             logger.warning("store lookup failed (%s); treating as a miss", e)
             found = 0
         hit_tokens = found * self._block_size

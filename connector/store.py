@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from connector.config import CLUSTER_ID_ENV, ConfigError, StoreConfig, etcd_endpoints
+from connector.config import CLUSTER_ID_ENV, StoreConfig, etcd_endpoints
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -59,8 +59,22 @@ RPC_TIMEOUT_ENV, RPC_CONNECT_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_
 DEFAULT_CLUSTER_ID = "mooncake_cluster"
 
 
-class StoreUnavailable(ConfigError):
-    """The Mooncake master or metadata server cannot be reached."""
+class StoreError(Exception):
+    """A store operation was not made or failed. `code` is its bounded label: a Mooncake error
+    code, or one of the label values above ("unavailable" while there is no client or the
+    breaker is open)."""
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(message or code)
+        self.code = code
+
+
+class StoreUnavailable(StoreError):
+    """The Mooncake master or metadata server cannot be reached (an outage, not a bad config:
+    the message still names the field to check)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unavailable", message)
 
 
 def _probe_tcp(host: str, port: int, timeout: float) -> str | None:
@@ -260,6 +274,19 @@ class StoreHandle:
     def ready(self) -> Any:
         """The client if connected and the breaker is closed, else None."""
         return None if self.down_code else self.client
+
+    def require(self) -> Any:
+        """The client, or StoreError when there is none or the breaker is open (no call made)."""
+        client = self.ready()
+        if client is None:
+            raise StoreError(self.down_code or "unavailable")
+        return client
+
+    def check(self, results: list[int]) -> None:
+        """The one result check: a master-down code among a call's results trips the breaker."""
+        down = next((r for r in results if r in MASTER_DOWN_CODES), None)
+        if down is not None:
+            self.trip(down)
 
     def trip(self, code: int) -> None:
         """Open the breaker after an RPC failure; a probe thread closes it again."""

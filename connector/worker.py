@@ -41,7 +41,7 @@ from connector.stats import StatsRecorder, WorkerGauges, stat_key
 from connector.store import (
     ABANDONED_CODE,
     EXCEPTION_CODE,
-    MASTER_DOWN_CODES,
+    StoreError,
     StoreHandle,
     error_code_label,
 )
@@ -55,14 +55,6 @@ REMOVE_ATTEMPTS = 3  # an abandoned save's cleanup is retried this often before 
 def request_hash(req_id: str) -> str:
     """A short stable digest of a request id, for span attributes and logs (never labels)."""
     return hashlib.blake2b(req_id.encode(), digest_size=8).hexdigest()
-
-
-class StoreDown(Exception):
-    """No call was made: the store is not connected or its master is known to be down."""
-
-    def __init__(self, code: str) -> None:
-        super().__init__(code)
-        self.code = code
 
 
 @dataclass(slots=True)
@@ -248,16 +240,10 @@ class MooncakeStoreWorker:
         return {k: v for k, v in out.items() if v}
 
     def _connected(self) -> Any:
-        """The store client, or StoreDown when there is none or the breaker is open."""
-        client = self._store.ready()
-        if client is None or self._regions is None:
-            raise StoreDown(self._store.down_code or "unavailable")
-        return client
-
-    def _check_master(self, results: list[int]) -> None:
-        down = next((r for r in results if r in MASTER_DOWN_CODES), None)
-        if down is not None:
-            self._store.trip(down)
+        """The store client, or StoreError when there is none or the breaker is open."""
+        if self._regions is None:
+            raise StoreError("unavailable")
+        return self._store.require()
 
     # ---- load job (runs on a receive thread) -----------------------------------------------
     def _load(self, job: _Job, thread: int, ticket: Ticket[_Job]) -> None:
@@ -290,8 +276,8 @@ class MooncakeStoreWorker:
             bad = next((r for r in results if r != want), None)
             if bad is not None:
                 code = error_code_label(bad) if bad < 0 else "-600"
-                self._check_master(results)
-        except StoreDown as e:
+                self._store.check(results)
+        except StoreError as e:
             code = e.code
         except Exception as e:  # preparation or transfer: report every block, recompute
             code = EXCEPTION_CODE
@@ -337,7 +323,7 @@ class MooncakeStoreWorker:
             t_exists = time.perf_counter()
             if any(e < 0 for e in exists):
                 code, op = error_code_label(min(exists)), "save_exists"
-                self._check_master(exists)
+                self._store.check(exists)
             new = [i for i, e in enumerate(exists) if e != 1]
             skipped = len(keys) - len(new)
             if new and self._abandoned(t.req_id, ticket):
@@ -356,14 +342,14 @@ class MooncakeStoreWorker:
                 errs = [r for r in results if r < 0 and r != -705]
                 if errs:
                     code, op = error_code_label(errs[0]), "save"
-                    self._check_master(errs)
+                    self._store.check(errs)
                 if stored and self._abandoned(t.req_id, ticket):
                     # The blocks may have been rewritten while the put read them.
                     self._remove(client, [k for k, r in zip(new_keys, results, strict=True)
                                           if r == 0])
                     stored, code, op = 0, ABANDONED_CODE, "save"
                 nbytes = stored * self._regions.block_bytes
-        except StoreDown as e:
+        except StoreError as e:
             code, op = e.code, "save"
         except Exception as e:
             code, op = EXCEPTION_CODE, "save"

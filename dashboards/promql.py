@@ -1,35 +1,16 @@
 """PromQL building blocks shared by the dashboards, the renderer and the tests.
 
-Metric names come from `connector/metric_catalog.py` (loaded by file path, so nothing heavier
-than that module is imported), vLLM's own families from a short allow-list, and the Mooncake
+Metric names come from `connector/metric_catalog.py` (which imports without vLLM), vLLM's
+own families from a short allow-list, and the Mooncake
 master's families are plain `master_*` names scraped from its metrics port.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
-from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[1]
+from connector import metric_catalog as CATALOG  # imports without vLLM
 
-
-def load_catalog() -> ModuleType:
-    """`connector/metric_catalog.py`, without importing the `connector` package (vLLM)."""
-    name = "_mooncake_pool_metric_catalog"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "connector" / "metric_catalog.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-CATALOG = load_catalog()
 FAMILIES = {f.key: f for f in CATALOG.FAMILIES}
 
 # vLLM core families the dashboards use (labels: model_name, engine), with their exported names.

@@ -132,7 +132,8 @@ def test_lookup_wait_is_a_budget_per_step(master, store_node):
             for r in reqs:
                 s.get_num_new_matched_tokens(r, 0)
             took = time.perf_counter() - t0
-            assert s.step_waited_s <= 0.005 + 0.002, s.step_waited_s  # the scheduler's clock
+            # the scheduler's clock; the slack is the OS waking a thread late on a busy host
+            assert s.step_waited_s <= 0.005 + 0.015, s.step_waited_s
             assert took < 0.005 + 0.04, f"one step spent {took * 1e3:.0f} ms in lookups"
             s.build_connector_meta(step_output())
         s.shutdown()

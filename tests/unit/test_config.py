@@ -224,3 +224,18 @@ def test_readme_module_table_lists_every_module():
                             .split("| module | job |")[1].split("Contracts")[0]))
     modules = {p.name for p in (root / "connector").glob("*.py")} - {"__init__.py"}
     assert listed == modules
+
+
+def test_catalogues_import_without_vllm_and_docs_are_in_sync():
+    """The dashboards, the chart tests and the docs read the catalogues without vLLM."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, connector.metric_catalog, connector.config, dashboards.promql; "
+            "assert 'vllm' not in sys.modules, 'the catalogues pulled in vLLM'")
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+    for module in ("connector.metric_catalog", "connector.config"):
+        r = subprocess.run([sys.executable, "-m", module, "--check"], cwd=root)
+        assert r.returncode == 0, f"README or chart schema out of sync: run python -m {module}"
