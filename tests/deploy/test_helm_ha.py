@@ -136,13 +136,17 @@ def test_clients_find_the_leader_through_etcd(ha):
     assert f"--master_server_address=etcd://{BUNDLED}" in c["args"]
     assert f"--metadata_server=etcd://{BUNDLED}" in c["args"]
     assert env_of(c)["MC_STORE_CLUSTER_ID"]["value"] == "pool-a"
+    # Store nodes leave a partitioned leader within seconds, not Mooncake's 30 s RPC timeout.
+    assert env_of(c)["MC_RPC_TIMEOUT_MS"]["value"] == "5000"
+    assert env_of(c)["MC_RPC_CONNECT_TIMEOUT_MS"]["value"] == "1000"
 
 
 def test_no_cluster_id_without_ha(helm):
     docs = helm.render("--set", "storeNodes.enabled=true")
     for d in by_kind(docs, "Deployment").values():
         for c in d["spec"]["template"]["spec"]["containers"]:
-            assert "MC_STORE_CLUSTER_ID" not in env_of(c), d["metadata"]["name"]
+            for var in ("MC_STORE_CLUSTER_ID", "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS"):
+                assert var not in env_of(c), (d["metadata"]["name"], var)
 
 
 @pytest.mark.parametrize("kind, endpoints", [("PodMonitor", "podMetricsEndpoints"),
