@@ -104,7 +104,10 @@ def test_serving_benchmark_quick(tmp_path):
     for case, points in summary.items():
         for s in points.values():
             assert s["failed"] == 0 and 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"], case
-            assert s["request_throughput"] > 0 and s["itl_p50_ms"] > 0
+            # ITL may read 0 where the client got every token in one chunk (a warm local
+            # cache answers 16 tokens faster than a loaded client reads them: seen here).
+            assert s["request_throughput"] > 0 and 0 <= s["itl_p50_ms"] <= s["itl_p99_ms"]
+    assert all(s["itl_p50_ms"] > 0 for s in summary["no-connector"].values())
     runs = {c: next(iter(r["points"].values()))[0] for c, r in data["runs"].items()}
     assert all(r["completed"] == prompts and len(r["ttfts_ms"]) == prompts for r in runs.values())
     # Every full block but the last of each prompt comes from the store on the fresh engine.
