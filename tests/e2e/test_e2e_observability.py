@@ -34,6 +34,12 @@ def burst(pooled_server, prompts, store_client, filled_store):
     rng = random.Random(7)
     fresh = [[rng.randrange(3, 1000) for _ in range(4 * BLOCK_SIZE + 3)] for _ in range(4)]
     broken = [rng.randrange(3, 1000) for _ in range(5 * BLOCK_SIZE + 1)]
+    # Prompts of distinct prefixes, stored first: each needs a load of its own in the burst,
+    # however quickly the engine serves (requests that share a prefix may instead hit the
+    # local cache once the first of them has loaded, so their load count depends on timing).
+    distinct = [[rng.randrange(3, 1000) for _ in range(6 * BLOCK_SIZE + 5)] for _ in range(16)]
+    for p in distinct:
+        pooled_server.complete(p, max_tokens=1)
     pooled_server.complete(broken)
     corrupt_stored_block(pooled_server, store_client, filled_store, broken, 2)
     pooled_server.reset_prefix_cache()
@@ -49,7 +55,7 @@ def burst(pooled_server, prompts, store_client, filled_store):
 
     scraper = threading.Thread(target=scrape)
     scraper.start()
-    work = prompts * 4 + fresh * 2 + [broken]
+    work = prompts * 4 + distinct + fresh * 2 + [broken]
     with ThreadPoolExecutor(len(work)) as pool:
         list(pool.map(lambda p: pooled_server.complete(p, max_tokens=4), work))
     time.sleep(1.0)
