@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -106,7 +107,7 @@ def test_prometheus_scrapes_both_masters(ha_cluster):
 
     from dashboards.generate import master_ha_row
     from dashboards.local_prometheus import LocalPrometheus
-    from dashboards.promql import ROOT, substitute
+    from dashboards.promql import substitute
 
     targets = [f"{m.host}:{m.metrics_port}" for m in ha_cluster.masters]
     with LocalPrometheus({"mooncake-master": targets}) as prom:
@@ -118,7 +119,8 @@ def test_prometheus_scrapes_both_masters(ha_cluster):
             for expr, legend in panel.targets:
                 if "mooncake_pool" not in expr:  # engine series: tests above, with an engine
                     assert prom.query(substitute(expr, "5s")), f"{panel.title}: {legend}"
-        groups = yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())["groups"]
+        root = Path(__file__).resolve().parents[2]
+        groups = yaml.safe_load((root / "dashboards" / "alerts.yaml").read_text())["groups"]
         for rule in next(g for g in groups if g["name"] == "mooncake-master-ha")["rules"]:
             assert prom.query(rule["expr"]) == [], rule["alert"]
 
