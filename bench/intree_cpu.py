@@ -33,6 +33,8 @@ class HostEvent:
 
 
 if not torch.cuda.is_available():
+    # The CPU wheel has no CUDA: the in-tree save path records an event only to wait for the
+    # forward pass, which on the CPU is already done; a host event keeps its code unchanged.
     torch.cuda.Event = HostEvent  # type: ignore[misc,assignment]
 
 

@@ -118,7 +118,7 @@ class HaCluster:
     cluster_id: str = "mcpool-dev"
     segment_size: str = "512MB"
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mooncake-ha-"))
-    etcd: Etcd = None  # type: ignore[assignment]
+    etcd: Etcd | None = None  # None: start one of our own (made in __post_init__)
     masters: list[HaMaster] = field(default_factory=list)
     node: StoreNode | None = None
 
