@@ -35,6 +35,7 @@ ETCD_SCHEME = "etcd://"
 # The Mooncake client reads the HA cluster id from this variable (default "mooncake_cluster",
 # as the masters' --cluster_id); the connector exports cluster_id there when it is unset.
 CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"
+DEFAULT_TENANT = "default"  # Mooncake's tenant when none is given
 
 
 class ConfigError(ValueError):
@@ -167,19 +168,112 @@ KEYS: tuple[Key, ...] = (
     Key("save_timeout_s", "float", 30.0,
         "deadline of a save job; past it the request's blocks are released and the save is "
         "abandoned", lo=0.1, hi=3600),
+    # Tenants and the disk tier (docs/tenants.md, docs/disk-tier.md).
+    Key("tenant_id", "text", DEFAULT_TENANT, "in-tree field: the Mooncake tenant of this "
+        "engine's store client (its key namespace and, on a master with "
+        "`--enable_multi_tenants`, its quota: the tenant must be in the quota policy); also the "
+        "`tenant` label of the hit-rate, byte and failure series", mooncake=True),
+    Key("enable_offload", "bool", False, "in-tree field: the store has a disk tier (master "
+        "and store nodes run with `--enable_offload`): loads are split so each get from disk "
+        "fits the owner's staging buffer, and `tier_metrics` is on", mooncake=True),
+    Key("tier_metrics", "bool", None, "classify every load by the tier that holds its blocks "
+        "(memory or disk; one master replica query per load job), exported as "
+        "`vllm:mooncake_pool_load_tier_tokens_total` and `..._bytes_total`",
+        env="VLLM_MOONCAKE_STORE_TIER_LOG",
+        shown="env `VLLM_MOONCAKE_STORE_TIER_LOG`, else `enable_offload`"),
+    Key("disk_staging_buffer_size", "size", 1280 * 2**20, "with `enable_offload`: the staging "
+        "buffer of the store node that owns the disk tier (its "
+        "`MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES`); a get from disk larger than it fails "
+        "with -10", lo=4096, hi=64 * 2**30, shown="`1280MB` (Mooncake's)"),
+    Key("disk_staging_usable_ratio", "float", 0.9, "share of `disk_staging_buffer_size` one "
+        "batch get may fill (staging adds DirectIO alignment)", lo=0.01, hi=1.0,
+        env="VLLM_MOONCAKE_DISK_STAGING_USABLE_RATIO"),
+    Key("preferred_segment", "text", "", "put every block on this segment (`host:port` of a "
+        "store node), as Mooncake's `ReplicateConfig.preferred_segment`",
+        env="MOONCAKE_PREFERRED_SEGMENT", mooncake=True),
 )
 BY_NAME = {k.name: k for k in KEYS}
 MOONCAKE_KEYS = tuple(k.name for k in KEYS if k.mooncake)
 CONNECTOR_KEYS = tuple(k.name for k in KEYS if not k.mooncake)
 EXTRA_KEYS = MOONCAKE_KEYS + CONNECTOR_KEYS
-# In-tree fields with no meaning here: rejected, saying why and what to use instead.
-REJECTED_KEYS = {
-    "mode": "set global_segment_size: 0 for engines whose blocks live on standalone store "
-            "nodes (mooncake_client), or a size to let the engine hold blocks itself",
-    "enable_offload": "disk offload is not supported by this connector; remove it",
-    "tenant_id": "use cache_prefix, which namespaces this connector's keys per deployment or "
-                 "tenant",
-}
+
+
+# ---- vLLM's in-tree MooncakeStoreConnector: every setting it reads, and its answer here -------
+FILE, ENV, KV = CONFIG_PATH_ENV + " file", "environment", "kv-transfer-config"
+SAME, EQUIVALENT, REFUSED = "same", "equivalent", "refused"
+_CROSS_TP = ("refused until cross-TP sharing lands (issue 22): store keys are per TP size; run "
+             "the engines that share blocks at one TP size and remove it")
+
+
+@dataclass(frozen=True)
+class InTree:
+    """One setting of vLLM's in-tree `MooncakeStoreConnector` and what this connector does
+    with it: `same` (implemented with the same meaning: `key`), `equivalent` (accepted; `how`
+    says what it becomes here) or `refused` (startup error with `how`: why and what instead).
+    docs/migration.md's table and the startup log lines come from these entries."""
+
+    name: str
+    where: str  # FILE, EXTRA, ENV or KV
+    answer: str
+    how: str
+    key: str = ""  # this connector's key: a same-meaning setting, or the target of an alias
+    alias: bool = False  # the value passes to `key` unchanged
+
+
+IN_TREE: tuple[InTree, ...] = (
+    # The MOONCAKE_CONFIG_PATH file (vllm/distributed/mooncake_store.py: MooncakeStoreConfig).
+    *(InTree(n, FILE, SAME, "", n) for n in (
+        "metadata_server", "master_server_address", "protocol", "device_name",
+        "global_segment_size", "local_buffer_size", "tenant_id", "enable_offload")),
+    InTree("mode", FILE, EQUIVALENT, "`embedded` is a `global_segment_size` above 0, "
+           "`standalone-store` is `global_segment_size: 0` (then its default); a size that "
+           "contradicts the mode is an error", "global_segment_size"),
+    # kv_connector_extra_config (kv_connector/v1/mooncake/store/{connector,scheduler,worker}.py).
+    InTree("load_async", EXTRA, EQUIVALENT, "`true` is what this connector always does: loads "
+           "run on receive threads while the step computes; `false` is refused (the in-tree "
+           "worker asserts `true` too)"),
+    InTree("lookup_async", EXTRA, EQUIVALENT, "lookups always run off the scheduler loop; "
+           "`true` never waits for one (`lookup_wait_ms: 0`), `false` waits up to "
+           "`lookup_wait_ms` per step", "lookup_wait_ms"),
+    InTree("enable_lookup", EXTRA, EQUIVALENT, "`enable_load` (false: never load from the "
+           "store)", "enable_load", alias=True),
+    InTree("save_decode_cache", EXTRA, EQUIVALENT, "`save_decode_tokens`; a `kv_consumer` "
+           "with it also stores its prompt blocks (the in-tree consumer fills the prompt "
+           "prefix)", "save_decode_tokens", alias=True),
+    InTree("cache_prefix", EXTRA, SAME, "", "cache_prefix"),
+    InTree("preferred_segment", EXTRA, SAME, "", "preferred_segment"),
+    InTree("enable_cross_layers_blocks", EXTRA, EQUIVALENT, "nothing to set: the block "
+           "layout (one region per layer, or one per block when layers are contiguous) is "
+           "read from the registered KV tensors"),
+    InTree("lookup_rpc_port", EXTRA, REFUSED, "this connector has no lookup socket: the "
+           "scheduler asks the store directly; remove it"),
+    InTree("store_tp_size", EXTRA, REFUSED, _CROSS_TP),
+    InTree("enable_store_tp_lcm", EXTRA, REFUSED, _CROSS_TP),
+    InTree("prefill_tp_sizes", EXTRA, REFUSED, _CROSS_TP),
+    InTree("custom_mem_pool", EXTRA, REFUSED, "the KV cache stays vLLM's own allocation, "
+           "registered with the store as it is (the NVLINK/BAREX pools serve GPU transports "
+           "this connector does not use); remove it"),
+    InTree("enable_group_semantics", EXTRA, REFUSED, "not implemented: blocks are stored one "
+           "object per TP rank and a lookup hits only when every rank's object is there; "
+           "remove it"),
+    # Environment (vllm/envs.py).
+    InTree(CONFIG_PATH_ENV, ENV, SAME, "", ""),
+    InTree(RECV_THREADS_ENV, ENV, SAME, "", "load_threads"),
+    InTree("VLLM_MOONCAKE_STORE_TIER_LOG", ENV, SAME, "per-tier series on /metrics instead of "
+           "a log line per batch", "tier_metrics"),
+    InTree("VLLM_MOONCAKE_DISK_STAGING_USABLE_RATIO", ENV, SAME, "", "disk_staging_usable_ratio"),
+    InTree("MOONCAKE_PREFERRED_SEGMENT", ENV, SAME, "", "preferred_segment"),
+    InTree("MOONCAKE_REQUESTER_LOCAL_HOSTNAME", ENV, EQUIVALENT, "`local_hostname` (when "
+           "neither it nor `MOONCAKE_LOCAL_HOSTNAME` is set)", "local_hostname", alias=True),
+    InTree("VLLM_RPC_BASE_PATH", ENV, EQUIVALENT, "nothing to set: the in-tree lookup socket "
+           "lives there, this connector has none (vLLM still uses it for its own sockets)"),
+    # The kv-transfer-config itself.
+    InTree("kv_role", KV, SAME, "`kv_both` and `kv_producer` load and store; `kv_consumer` "
+           "loads and stores nothing unless `save_decode_tokens` (`save_decode_cache`) is on"),
+)
+IN_TREE_BY_NAME = {(t.where, t.name): t for t in IN_TREE}
+_IN_TREE_FIELDS = {t.name: t for t in IN_TREE if t.where in (FILE, EXTRA) and t.name not in BY_NAME}
+MODES = ("embedded", "standalone-store")
 
 
 def _d(name: str) -> Any:
@@ -260,6 +354,8 @@ class StoreConfig:
     # HA master group (master_server_address etcd://...): the masters' --cluster_id, or ""
     # for Mooncake's default. Exported as MC_STORE_CLUSTER_ID before the client is set up.
     cluster_id: str = _d("cluster_id")
+    tenant_id: str = _d("tenant_id")
+    preferred_segment: str = _d("preferred_segment")  # "" lets Mooncake place each block
 
     @property
     def ha(self) -> bool:
@@ -289,7 +385,13 @@ class ConnectorConfig:
     store_timeout_s: float = _d("store_timeout_s")
     load_timeout_s: float = _d("load_timeout_s")
     save_timeout_s: float = _d("save_timeout_s")
+    enable_offload: bool = _d("enable_offload")
+    tier_metrics: bool | None = _d("tier_metrics")  # None: as enable_offload
+    disk_staging_buffer_size: int = _d("disk_staging_buffer_size")
+    disk_staging_usable_ratio: float = _d("disk_staging_usable_ratio")
     source: dict[str, str] = field(default_factory=dict, compare=False)
+    # One line per in-tree setting that was accepted as an equivalent, for the startup log.
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
@@ -310,21 +412,14 @@ def _load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{CONFIG_PATH_ENV}: cannot read {path!r}: {e.strerror}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{CONFIG_PATH_ENV}: {path!r} must hold a JSON object")
-    _reject_in_tree(data, f"{CONFIG_PATH_ENV} ({path})")
-    unknown = sorted(set(data) - set(MOONCAKE_KEYS))
+    allowed = MOONCAKE_KEYS + tuple(t.name for t in IN_TREE if t.where == FILE)
+    unknown = sorted(set(data) - set(allowed))
     if unknown:
         raise ConfigError(
             f"{CONFIG_PATH_ENV}: unknown field(s) {unknown} in {path!r}; "
-            f"allowed: {list(MOONCAKE_KEYS)}"
+            f"allowed: {list(allowed)}"
         )
     return data
-
-
-def _reject_in_tree(data: Mapping[str, Any], where: str) -> None:
-    for key in data:
-        if key in REJECTED_KEYS:
-            raise ConfigError(f"{where}: {key} is not used by this connector; "
-                              f"{REJECTED_KEYS[key]}")
 
 
 def _host_port(value: str, field_name: str) -> str:
@@ -388,26 +483,39 @@ def _metadata_url(value: str, field_name: str) -> str:
 
 
 def load_config(
-    extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None,
+    kv_role: str | None = None,
 ) -> ConnectorConfig:
-    """Build the connector config from vLLM's extra_config and the environment."""
+    """Build the connector config from vLLM's extra_config, the MOONCAKE_CONFIG_PATH file and
+    the environment; in-tree settings are translated or refused as `IN_TREE` says. `kv_role`
+    is the kv-transfer-config's (None: kv_both)."""
     environ = os.environ if environ is None else environ
     extra = dict(extra or {})
-    _reject_in_tree(extra, EXTRA)
-    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    unknown = sorted(set(extra) - set(EXTRA_KEYS) - set(_IN_TREE_FIELDS))
     if unknown:
-        raise ConfigError(f"{EXTRA}: unknown key(s) {unknown}; allowed keys: {list(EXTRA_KEYS)}")
+        raise ConfigError(f"{EXTRA}: unknown key(s) {unknown}; allowed keys: {list(EXTRA_KEYS)} "
+                          "(and the in-tree connector's, see docs/migration.md)")
     merged: dict[str, Any] = {}
-    source: dict[str, str] = {}
+    source: dict[str, str] = {}  # where each key was set: EXTRA, CONFIG_PATH_ENV or a variable
+    label: dict[str, str] = {}  # how errors name it: "<source>.<field>", or the variable
+    in_tree: dict[str, tuple[Any, str]] = {}
     path = environ.get(CONFIG_PATH_ENV)
-    if path:
-        for k, v in _load_config_file(path).items():
-            merged[k], source[k] = v, CONFIG_PATH_ENV
-    for k, v in extra.items():
-        merged[k], source[k] = v, EXTRA
+    for src, data in ((CONFIG_PATH_ENV, _load_config_file(path) if path else {}),
+                      (EXTRA, extra)):
+        for k, v in data.items():
+            if k in _IN_TREE_FIELDS:
+                in_tree[k] = (v, f"{src}.{k}")
+            else:
+                merged[k], source[k], label[k] = v, src, f"{src}.{k}"
+    notes = _translate_in_tree(in_tree, merged, source, label)
     for key in KEYS:
         if key.name not in merged and key.env and key.env in environ:
             merged[key.name], source[key.name] = environ[key.env], key.env
+            label[key.name] = key.env
+    for t in IN_TREE:
+        if t.where == ENV and t.alias and t.key not in merged and t.name in environ:
+            merged[t.key], source[t.key], label[t.key] = environ[t.name], t.name, t.name
+            notes.append(f"{t.name} (in-tree setting): {t.how}")
     for required in ("master_server_address", "metadata_server"):
         if required not in merged:
             raise ConfigError(
@@ -417,8 +525,7 @@ def load_config(
             )
 
     def where(name: str) -> str:
-        src = source.get(name, EXTRA)
-        return src if src == BY_NAME[name].env else f"{src}.{name}"  # a variable names itself
+        return label.get(name, f"{EXTRA}.{name}")
 
     def value(name: str) -> Any:
         """The parsed value of a key, or its default."""
@@ -438,6 +545,8 @@ def load_config(
         local_buffer_size=value("local_buffer_size"),
         replica_num=value("replica_num"),
         transfer_timeout=value("transfer_timeout"),
+        tenant_id=_tenant_id(merged.get("tenant_id"), where("tenant_id")),
+        preferred_segment=value("preferred_segment"),
     )
     if store.protocol == "rdma" and not store.device_name:
         raise ConfigError(
@@ -447,8 +556,75 @@ def load_config(
     threads, auto = _threads(merged, source)
     parsed = {k.name: value(k.name) for k in KEYS
               if not k.mooncake and k.name not in ("load_threads", "load_threads_max")}
+    offload = value("enable_offload")
+    if parsed["tier_metrics"] is None:
+        parsed["tier_metrics"] = offload
+    if kv_role == "kv_consumer" and "enable_save" not in merged:
+        parsed["enable_save"] = parsed["save_decode_tokens"]
+        notes.append("kv_role kv_consumer: stores " + (
+            "prompt and generated blocks (save_decode_tokens)" if parsed["enable_save"]
+            else "nothing (set save_decode_tokens or save_decode_cache to store)"))
     return ConnectorConfig(store=store, load_threads=threads, load_threads_auto=auto,
-                           source=source, **parsed)
+                           enable_offload=offload, source=source, notes=tuple(notes), **parsed)
+
+
+def _translate_in_tree(in_tree: dict[str, tuple[Any, str]], merged: dict[str, Any],
+                       source: dict[str, str], label: dict[str, str]) -> list[str]:
+    """Apply the in-tree settings found in the file or extra_config to `merged` (refused ones
+    raise); returns one log line per setting accepted."""
+    notes = []
+    for name, (raw, at) in in_tree.items():
+        t = _IN_TREE_FIELDS[name]
+        if t.answer == REFUSED:
+            raise ConfigError(f"{at}: not supported by this connector: {t.how}")
+        if t.alias:
+            val = _bool(raw, at)
+            if t.key in merged and BY_NAME[t.key].parse(merged[t.key], label[t.key]) != val:
+                raise ConfigError(f"{at}: contradicts {label[t.key]}; keep one of them")
+            merged[t.key], source[t.key], label[t.key] = val, at.rsplit(".", 1)[0], at
+        elif name == "lookup_async":  # an explicit lookup_wait_ms wins
+            if _bool(raw, at) and "lookup_wait_ms" not in merged:
+                merged["lookup_wait_ms"], source["lookup_wait_ms"] = 0.0, at.rsplit(".", 1)[0]
+                label["lookup_wait_ms"] = at
+        elif name == "mode":
+            _mode(raw, at, merged, source, label)
+        elif not _bool(raw, at) and name == "load_async":
+            raise ConfigError(f"{at}: false is not supported: loads are always asynchronous "
+                              "here (the in-tree worker requires true as well); remove it")
+        else:
+            _bool(raw, at)  # load_async: true, enable_cross_layers_blocks: validated only
+        notes.append(f"{at}={raw!r} (in-tree setting): {t.how}")
+    return notes
+
+
+def _mode(raw: Any, at: str, merged: dict[str, Any], source: dict[str, str],
+          label: dict[str, str]) -> None:
+    """The in-tree `mode`: the engine's segment size says the same thing here."""
+    mode = raw.strip().lower() if isinstance(raw, str) else raw
+    if mode not in MODES:
+        raise ConfigError(f"{at}: {raw!r}; use one of {MODES} (or set global_segment_size)")
+    key = BY_NAME["global_segment_size"]
+    size = key.parse(merged["global_segment_size"], label["global_segment_size"]) \
+        if "global_segment_size" in merged else None
+    if mode == "standalone-store" and size is None:
+        merged["global_segment_size"], label["global_segment_size"] = 0, at
+        source["global_segment_size"] = at.rsplit(".", 1)[0]
+    elif (mode == "standalone-store") != (size == 0) and size is not None:
+        raise ConfigError(f"{at}: {mode} needs global_segment_size "
+                          f"{'0' if mode == 'standalone-store' else 'above 0'}, "
+                          f"{label['global_segment_size']} is {size}; fix one of them")
+
+
+def _tenant_id(raw: Any, at: str) -> str:
+    """The Mooncake tenant: blank or null is the default tenant (as in-tree); Mooncake's
+    policy rules apply (no leading '_', no control characters)."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return DEFAULT_TENANT
+    tenant = _text(raw, at)
+    if tenant.startswith("_") or any(ord(c) < 32 or ord(c) == 127 for c in tenant):
+        raise ConfigError(f"{at}: {raw!r} is not a Mooncake tenant name (no leading '_', no "
+                          "control characters); use the name in the master's quota policy")
+    return tenant
 
 
 def _threads(merged: dict[str, Any], source: dict[str, str]) -> tuple[int, bool]:
@@ -544,9 +720,29 @@ def sync_readme(path: str = "README.md", check: bool = False) -> bool:
     return sync_block(path, "config-table", markdown_table(), check)
 
 
+# ---- docs/migration.md: every in-tree setting and its answer ------------------------------
+MIGRATION_DOC = "docs/migration.md"
+
+
+def in_tree_table() -> str:
+    rows = ["| in-tree setting | where | here | what it does here |", "|---|---|---|---|"]
+    for t in IN_TREE:
+        here = {SAME: "same meaning", EQUIVALENT: "accepted", REFUSED: "**refused**"}[t.answer]
+        key = BY_NAME.get(t.key)
+        what = t.how or (key.doc if key else "")
+        if t.answer == SAME and t.key and t.key != t.name:
+            what = f"key `{t.key}`" + (f": {what}" if what else "")
+        rows.append(f"| `{t.name}` | {t.where} | {here} | {what} |")
+    return "\n".join(rows)
+
+
+def sync_migration(path: str = MIGRATION_DOC, check: bool = False) -> bool:
+    return sync_block(path, "in-tree-table", in_tree_table(), check)
+
+
 if __name__ == "__main__":
     import sys
 
     check = "--check" in sys.argv
-    ok = sync_readme(check=check) & sync_helm_schema(check=check)
+    ok = sync_readme(check=check) & sync_helm_schema(check=check) & sync_migration(check=check)
     sys.exit(0 if ok or not check else 1)

@@ -33,6 +33,8 @@ class LoadEvent:
     t_end: float
     lookup_sampled: bool
     trace_parent: Any = None  # OpenTelemetry context captured at enqueue
+    # With tier_metrics: tier (memory, disk, unknown) -> (prompt tokens, bytes) loaded from it.
+    tiers: dict[str, tuple[int, int]] | None = None
 
     @property
     def ok(self) -> bool:

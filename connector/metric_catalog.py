@@ -2,8 +2,9 @@
 
 `prom.py` builds the metric objects from it, the dashboards and alert rules are checked
 against it, and the README table is generated from it, so a name cannot drift between them.
-Every family also carries vLLM's own `model_name` and `engine` labels. `cache_prefix` (the
-tenant) is filled in by the frontend from the connector's config, not carried in the stats.
+Every family also carries vLLM's own `model_name` and `engine` labels. `cache_prefix` (the key
+namespace) and `tenant` (the Mooncake tenant_id) are filled in by the frontend from the
+connector's config, not carried in the stats.
 `known_series` lists the series exported as 0 from startup.
 """
 
@@ -47,7 +48,7 @@ class Family:
         return tuple(label for label in self.labels if label not in CONFIG_LABELS)
 
 
-CONFIG_LABELS = ("cache_prefix",)
+CONFIG_LABELS = ("cache_prefix", "tenant")
 
 
 _T = ("tp_rank", "thread")
@@ -75,7 +76,7 @@ FAMILIES: tuple[Family, ...] = (
            "Is the network / transfer engine slow?"),
     Family("load_job_seconds", "histogram", _T, "Whole load job, from enqueue to completion.",
            "How long do requests wait for KV from the store?"),
-    Family("load_bytes", "counter", _T, "Bytes loaded from the store into the KV cache.",
+    Family("load_bytes", "counter", _T + ("tenant",), "Bytes loaded from the store into the KV cache.",
            "What bandwidth does each thread achieve?"),
     Family("load_keys", "counter", _T, "Store keys (one per block and TP rank) loaded.",
            "How many blocks does each thread move?"),
@@ -92,7 +93,7 @@ FAMILIES: tuple[Family, ...] = (
            "Do saves stall on the forward pass?"),
     Family("save_put_seconds", "histogram", _R, "Store put of a save job's new blocks.",
            "How long do puts take?"),
-    Family("save_bytes", "counter", _R, "Bytes written to the store.",
+    Family("save_bytes", "counter", _R + ("tenant",), "Bytes written to the store.",
            "What write bandwidth does the store see?"),
     Family("save_keys", "counter", _R, "Store keys written.",
            "How many blocks are being stored?"),
@@ -103,11 +104,11 @@ FAMILIES: tuple[Family, ...] = (
            "Does the lookup slow the scheduler?"),
     Family("lookup_keys", "counter", (), "Keys probed by scheduler lookups.",
            "How much lookup traffic does the master get?"),
-    Family("lookups", "counter", ("cache_prefix", "result"), "Scheduler lookups by result: hit, miss, error or timeout; cache_prefix is the tenant's key prefix.",
+    Family("lookups", "counter", ("cache_prefix", "result", "tenant"), "Scheduler lookups by result: hit, miss, error or timeout; cache_prefix is the tenant's key prefix.",
            "Does the store find prefixes at all, for each tenant?"),
-    Family("lookup_hit_tokens", "counter", ("cache_prefix",), "Prompt tokens found in the store.",
+    Family("lookup_hit_tokens", "counter", ("cache_prefix", "tenant"), "Prompt tokens found in the store.",
            "How much prefill does the store save?"),
-    Family("lookup_miss_tokens", "counter", ("cache_prefix",), "Prompt tokens looked up but not found (tokens queried = hit + miss).",
+    Family("lookup_miss_tokens", "counter", ("cache_prefix", "tenant"), "Prompt tokens looked up but not found (tokens queried = hit + miss).",
            "What is the token hit rate per deployment and tenant?"),
     # Deadlines and thread health.
     Family("threads_stuck", "gauge", ("tp_rank", "op"), "Job threads (op load or save) retired while stuck in a store call past their deadline, still waiting for the call to return (bounded by the pool size).",
@@ -119,7 +120,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("autotune_errors", "counter", _R, "Windows the load_threads: auto tuner could not judge (logged; tuning goes on).",
            "Is the auto tuner healthy?"),
     # Failures.
-    Family("failures", "counter", ("tp_rank", "op", "code"),
+    Family("failures", "counter", ("tp_rank", "op", "code", "tenant"),
            "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (save given up at a preemption or deadline), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
     # Master outages and HA failovers, as this rank's store client rode through them.
@@ -127,6 +128,11 @@ FAMILIES: tuple[Family, ...] = (
            "Did the master group fail over, and did every engine follow the new leader?"),
     Family("master_down_seconds", "counter", _R, "Time this rank's store client had no master answering (circuit breaker open: store jobs fail fast and vLLM recomputes); counted while it lasts.",
            "How long was the cache unavailable during a master outage or failover?"),
+    # The disk tier (tier_metrics, on with enable_offload): what each tier served.
+    Family("load_tier_tokens", "counter", ("tp_rank", "tier", "tenant"), "Prompt tokens loaded from the store, by the tier that held their blocks (memory, disk; unknown: the master named no replica just before the get). Every rank loads its share of the same tokens: read one rank.",
+           "How much of the prefill does the disk tier serve?"),
+    Family("load_tier_bytes", "counter", ("tp_rank", "tier", "tenant"), "Bytes loaded from the store, by the tier that held them.",
+           "What bandwidth does each tier deliver?"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}
@@ -137,24 +143,26 @@ EXEMPLAR_FAMILIES = ("load_job_seconds", "load_transfer_seconds")
 EXEMPLAR_LABELS = ("trace_id", "span_id")
 
 LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
+TIERS = ("memory", "disk", "unknown")
 # (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
 # pools' watchdog, exception, abandoned, other).
 _RPC = ("-900", "-901")
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     *(("load", c) for c in ("-704", "-600", "-800", *_RPC, "unavailable", "timeout",
-                            "shutdown", "exception", "other")),
+                            "shutdown", "exception", "other", "-10")),
     *(("save", c) for c in ("-200", "-800", *_RPC, "unavailable", "timeout", "shutdown",
-                            "exception", "abandoned", "other")),
+                            "exception", "abandoned", "other", "-1700", "-1701")),
     *(("save_exists", c) for c in _RPC),
     *(("save_remove", c) for c in (*_RPC, "other")),
     *(("lookup", c) for c in (*_RPC, "unavailable", "exception")),
 )
 
 
-def known_series(tp_size: int) -> list[str]:
+def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     """Stats keys exported as 0 from startup, so dashboards show 0 rather than "No data" and
-    rate() alerts work from the first scrape. Lookups run on the scheduler (rank 0 labels)."""
+    rate() alerts work from the first scrape. Lookups run on the scheduler (rank 0 labels).
+    `tiers`: the per-tier series too (tier_metrics is on)."""
     keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens"]
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
@@ -162,6 +170,8 @@ def known_series(tp_size: int) -> list[str]:
                  f"master_failovers|{rank}", f"master_down_seconds|{rank}"]
         keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
                  if op != "lookup" or rank == 0]
+        keys += [f"load_tier_{what}|{rank}|{tier}" for what in ("tokens", "bytes")
+                 for tier in TIERS if tiers]
     return keys
 
 

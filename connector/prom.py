@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from connector.config import ConfigError, ConnectorConfig, load_config
+from connector.config import DEFAULT_TENANT, ConfigError, ConnectorConfig, load_config
 from connector.metric_catalog import (
     EXEMPLAR_LABELS,
     FAMILIES,
@@ -39,13 +39,13 @@ def _registered(name: str) -> Any:
     return REGISTRY._names_to_collectors.get(name)  # noqa: SLF001 - no public lookup exists
 
 
-def _cache_prefix(vllm_config: Any) -> str:
-    """The tenant label: the connector's cache_prefix (the default when the config is odd; the
+def _config(vllm_config: Any) -> ConnectorConfig | None:
+    """The connector's config, for the labels it fills in (None when the config is odd: the
     worker and scheduler report a bad config themselves)."""
     try:
-        return load_config(vllm_config.kv_transfer_config.kv_connector_extra_config).cache_prefix
+        return load_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
     except (AttributeError, ConfigError):
-        return ConnectorConfig.cache_prefix
+        return None
 
 
 class PooledStorePromMetrics(KVConnectorPromMetrics):
@@ -59,13 +59,16 @@ class PooledStorePromMetrics(KVConnectorPromMetrics):
         self._metrics = {f.key: self._create(f, list(labelnames)) for f in FAMILIES}
         self._children: dict[tuple[str, int], Any] = {}
         self._unknown: set[str] = set()
-        self._config_labels = {"cache_prefix": _cache_prefix(vllm_config)}
+        cfg = _config(vllm_config)
+        self._config_labels = {
+            "cache_prefix": cfg.cache_prefix if cfg else ConnectorConfig.cache_prefix,
+            "tenant": cfg.store.tenant_id if cfg else DEFAULT_TENANT}
         self._exemplars = isinstance(self._histogram_cls, type) and \
             issubclass(self._histogram_cls, Histogram)  # Ray's wrappers take no exemplar
         tp_size = getattr(getattr(vllm_config, "parallel_config", None),
                           "tensor_parallel_size", 1)
         for engine_idx in self.per_engine_labelvalues:
-            for key in known_series(tp_size):
+            for key in known_series(tp_size, tiers=bool(cfg and cfg.tier_metrics)):
                 self._child(key, engine_idx)
 
     def _create(self, fam: Family, base_labels: list[str]) -> Any:

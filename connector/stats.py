@@ -208,6 +208,9 @@ class StatsRecorder(Subscriber):
                 self._c[self._rkeys["load_error_blocks"]] += ev.failed_blocks
             self._c[k["load_bytes"]] += ev.nbytes
             self._c[k["load_keys"]] += ev.keys
+            for tier, (tokens, nbytes) in (ev.tiers or {}).items():
+                self._c[stat_key("load_tier_tokens", ev.tp_rank, tier)] += tokens
+                self._c[stat_key("load_tier_bytes", ev.tp_rank, tier)] += nbytes
 
     def traced_load(self, ev: LoadEvent, trace_id: str, span_id: str) -> None:
         """`ev` was traced (called by the span exporter on the job's thread, after `on_load`):

@@ -26,13 +26,14 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from connector.config import CLUSTER_ID_ENV, StoreConfig, etcd_endpoints
+from connector.config import CLUSTER_ID_ENV, DEFAULT_TENANT, StoreConfig, etcd_endpoints
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 # ErrorCode values from Mooncake's types.h.
 ERROR_NAMES = {
     -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",  # a get from the disk tier larger than the owner's staging buffer
     -200: "NO_AVAILABLE_HANDLE",
     -600: "INVALID_PARAMS",
     -703: "REPLICA_IS_NOT_READY",
@@ -43,6 +44,8 @@ ERROR_NAMES = {
     -800: "TRANSFER_FAIL",
     -900: "RPC_FAIL",
     -901: "RPC_TIMEOUT",
+    -1700: "TENANT_QUOTA_EXCEEDED",  # a put over the tenant's quota (master --enable_multi_tenants)
+    -1701: "TENANT_NOT_REGISTERED",  # the tenant is not in the master's quota policy
 }
 # Label value for failures that are Python exceptions rather than store return codes.
 EXCEPTION_CODE = "exception"
@@ -178,9 +181,12 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
     from mooncake.store import MooncakeDistributedStore  # heavy; worker/scheduler only
 
     store = MooncakeDistributedStore()
+    # The default tenant is left to Mooncake, as the in-tree connector does (a client without a
+    # tenant argument is in the default tenant).
+    tenant = {"tenant_id": cfg.tenant_id} if cfg.tenant_id != DEFAULT_TENANT else {}
     rc = store.setup(
         cfg.local_hostname, cfg.metadata_server, global_segment_size, local_buffer_size,
-        cfg.protocol, cfg.device_name, cfg.master_server_address,
+        cfg.protocol, cfg.device_name, cfg.master_server_address, **tenant,
     )
     if rc != 0:
         raise StoreUnavailable(
@@ -209,12 +215,15 @@ def apply_transfer_timeout(seconds: float | None) -> None:
         os.environ.setdefault(var, str(max(1, round(seconds * per_second))))
 
 
-def replicate_config(replica_num: int) -> Any:
-    """The ReplicateConfig passed to every put (replica_num copies of each block)."""
+def replicate_config(replica_num: int, preferred_segment: str = "") -> Any:
+    """The ReplicateConfig passed to every put (replica_num copies of each block, on the
+    preferred segment when one is set)."""
     from mooncake.store import ReplicateConfig
 
     cfg = ReplicateConfig()
     cfg.replica_num = replica_num
+    if preferred_segment:
+        cfg.preferred_segment = preferred_segment
     return cfg
 
 
@@ -255,7 +264,7 @@ class StoreHandle:
         self.down_code: str = ""  # the code that tripped the breaker; "" while healthy
         self._down_since = 0.0  # monotonic time the breaker opened (0 while closed)
         self._outage = [0, 0.0]  # failovers ridden through, seconds without a master: unreported
-        self.replicate = replicate_config(cfg.replica_num)  # passed to every put
+        self.replicate = replicate_config(cfg.replica_num, cfg.preferred_segment)  # every put
         try:
             self.client, self.master = open_store(*self._args)
         except StoreUnavailable as e:

@@ -48,6 +48,7 @@ from connector.store import (
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 PREEMPTION_WAIT_S = 60.0
+_DIRECT_IO = 4096  # the disk tier stages each object DirectIO-aligned, plus two pages
 SHUTDOWN_WAIT_S = 1.0  # for jobs inside a store call at shutdown; then the client closes later
 REMOVE_ATTEMPTS = 3  # an abandoned save's cleanup is retried this often before it is counted
 
@@ -55,6 +56,22 @@ REMOVE_ATTEMPTS = 3  # an abandoned save's cleanup is retried this often before 
 def request_hash(req_id: str) -> str:
     """A short stable digest of a request id, for span attributes and logs (never labels)."""
     return hashlib.blake2b(req_id.encode(), digest_size=8).hexdigest()
+
+
+def disk_staged_bytes(block_bytes: int) -> int:
+    """What one block takes in the disk-tier owner's staging buffer (Mooncake aligns each
+    object for DirectIO; the same estimate as the in-tree connector's)."""
+    return -(-block_bytes // _DIRECT_IO) * _DIRECT_IO + 2 * _DIRECT_IO
+
+
+def replica_tier(replicas: Any) -> str:
+    """The tier a get reads a key from: memory when any replica is in memory (Mooncake serves
+    those first), disk when only disk replicas exist, unknown when the master named none."""
+    kinds = [(r.is_memory_replica(), r.is_disk_replica() or r.is_local_disk_replica())
+             for r in replicas or ()]
+    if any(m for m, _ in kinds):
+        return "memory"
+    return "disk" if any(d for _, d in kinds) else "unknown"
 
 
 @dataclass(slots=True)
@@ -74,6 +91,7 @@ class MooncakeStoreWorker:
         self._num_blocks = num_blocks
         self._regions: BlockRegions | None = None
         self._staged = False  # staging buffers (per thread, made on first use) or multi-buffer
+        self._split = config.load_split_blocks  # most blocks per load job (see _split_blocks)
         self._tls = threading.local()
         self._buffers_lock = threading.Lock()
         self.staging_buffers = 0  # live staging buffers (bounded: threads + stuck threads)
@@ -115,6 +133,7 @@ class MooncakeStoreWorker:
         self._regions = compute_regions(kv_caches, self._num_blocks)
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
+        self._split = self._split_blocks()
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
         logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
                     "threads, %s", len(self._regions.sizes), self._regions.block_bytes,
@@ -133,6 +152,22 @@ class MooncakeStoreWorker:
         return mode == "on" or (mode == "auto" and not self._regions.on_cuda
                                 and self.config.store.protocol == "tcp"
                                 and len(self._regions.sizes) > 1)
+
+    def _split_blocks(self) -> int:
+        """Most blocks in one load job (0: no limit): load_split_blocks, and with a disk tier
+        what one get may read from disk (the owner stages it in a buffer of
+        disk_staging_buffer_size; a larger get fails with -10 BUFFER_OVERFLOW)."""
+        split = self.config.load_split_blocks
+        if not self.config.enable_offload:
+            return split
+        budget = int(self.config.disk_staging_buffer_size * self.config.disk_staging_usable_ratio)
+        fit = budget // disk_staged_bytes(self._regions.block_bytes)
+        if fit == 0:
+            raise ValueError(
+                f"kv_connector_extra_config.disk_staging_buffer_size: {budget} usable bytes "
+                f"hold no block of {self._regions.block_bytes} bytes; raise it (and the store "
+                "nodes' MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES) or disk_staging_usable_ratio")
+        return min(split, fit) if split else fit
 
     def _register_buffers(self, client: Any) -> None:
         for ptr, size in self._regions.storages:
@@ -176,7 +211,7 @@ class MooncakeStoreWorker:
     def start_load(self, meta: StepMetadata) -> None:
         now = time.perf_counter()
         ctx = self._context()
-        parts = [p for t in meta.loads for p in t.split(self.config.load_split_blocks)]
+        parts = [p for t in meta.loads for p in t.split(self._split)]
         self.ledger.add_loads(p.req_id for p in parts)
         for p in parts:
             self.pool.submit(_Job(p, now, ctx))
@@ -252,16 +287,19 @@ class MooncakeStoreWorker:
         t_prepared = t_lookup_end = t_start
         sampled = False
         code, failed, nbytes = "", list(t.block_ids), 0
+        key_tiers, tiers = None, None
         try:
             client = self._connected()
             keys = self._keys.keys(t.block_hashes, self.tp_rank)
             stager = self._stager(client)
             addrs = None if stager else self._regions.addresses(t.block_ids)
             t_prepared = t_lookup_end = time.perf_counter()
-            if self._lookup_probe.due(thread):
-                client.batch_get_replica_desc(keys)
+            if self.config.tier_metrics or self._lookup_probe.due(thread):
+                descriptors = client.batch_get_replica_desc(keys)
                 t_lookup_end = time.perf_counter()
                 sampled = True
+                if self.config.tier_metrics:
+                    key_tiers = [replica_tier(descriptors.get(k)) for k in keys]
             if stager:
                 results = stager.get(client, keys, t.block_ids, ticket.writing)
             else:  # zero-copy: the call itself writes into the KV blocks
@@ -273,6 +311,8 @@ class MooncakeStoreWorker:
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
             failed = [b for b, r in zip(t.block_ids, results, strict=False) if r != want]
             nbytes = sum(r for r in results if r > 0)
+            if key_tiers is not None:
+                tiers = self._served_by_tier(key_tiers, results, want)
             bad = next((r for r in results if r != want), None)
             if bad is not None:
                 code = error_code_label(bad) if bad < 0 else "-600"
@@ -291,7 +331,18 @@ class MooncakeStoreWorker:
             keys=len(t.block_ids), nbytes=nbytes, failed_blocks=len(failed) if code else 0,
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
-            trace_parent=job.trace_parent))
+            trace_parent=job.trace_parent, tiers=tiers))
+
+    def _served_by_tier(self, key_tiers: list[str], results: list[int], want: int
+                        ) -> dict[str, tuple[int, int]]:
+        """(prompt tokens, bytes) loaded whole from each tier."""
+        out: dict[str, tuple[int, int]] = {}
+        block = self._keys.layout.block_size
+        for tier, r in zip(key_tiers, results, strict=False):
+            if r == want:
+                tokens, nbytes = out.get(tier, (0, 0))
+                out[tier] = (tokens + block, nbytes + r)
+        return out
 
     def _load_expired(self, job: _Job, reason: str) -> None:
         """Watchdog (timeout) or shutdown: every block of the job is a load error."""

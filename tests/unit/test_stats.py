@@ -120,12 +120,12 @@ def test_prometheus_export_and_duplicate_registration():
     second.observe({"c": {"not_a_family|0": 1, "load_bytes|0": 5}}, 0)  # malformed: ignored
     get = REGISTRY.get_sample_value
     labels = {"model_name": "m", "engine": "0", "tp_rank": "1", "thread": "1"}
-    assert get("vllm:mooncake_pool_load_bytes_total", labels) == 4096
+    assert get("vllm:mooncake_pool_load_bytes_total", {**labels, "tenant": "default"}) == 4096
     assert get("vllm:mooncake_pool_load_prepare_seconds_count", labels) == 1
     assert get("vllm:mooncake_pool_load_queue_depth",
                {"model_name": "m", "engine": "0", "tp_rank": "1"}) == 2
     assert get("vllm:mooncake_pool_failures_total", {"model_name": "m", "engine": "0",
-               "tp_rank": "0", "op": "load", "code": "-704"}) == 1
+               "tp_rank": "0", "op": "load", "code": "-704", "tenant": "default"}) == 1
     # 50 us resolution at the bottom of the latency buckets.
     assert get("vllm:mooncake_pool_load_prepare_seconds_bucket", {**labels, "le": "5e-05"}) == 0
 
@@ -153,30 +153,50 @@ def test_known_series_are_exported_as_zero_from_startup():
     PooledStorePromMetrics(vllm_cfg(tp=2, cache_prefix="tenant-a"), types,
                            ["model_name", "engine"], {0: ["m", "0"]})
     text = generate_latest(reg).decode()
-    base = {"model_name": "m", "engine": "0"}
+    base = {"model_name": "m", "engine": "0", "tenant": "default"}
     for rank in ("0", "1"):
         for op, code in KNOWN_FAILURES:
             if op != "lookup" or rank == "0":
                 assert reg.get_sample_value("vllm:mooncake_pool_failures_total", {
                     **base, "tp_rank": rank, "op": op, "code": code}) == 0, (rank, op, code)
         assert reg.get_sample_value("vllm:mooncake_pool_load_error_blocks_total",
-                                    {**base, "tp_rank": rank}) == 0
+                                    {"model_name": "m", "engine": "0", "tp_rank": rank}) == 0
     for result in ("hit", "miss", "error", "timeout"):
         assert reg.get_sample_value("vllm:mooncake_pool_lookups_total", {
             **base, "cache_prefix": "tenant-a", "result": result}) == 0
     assert reg.get_sample_value("vllm:mooncake_pool_lookup_hit_tokens_total",
                                 {**base, "cache_prefix": "tenant-a"}) == 0
     assert 'tp_rank="2"' not in text  # bounded: only the engine's ranks
+    assert "load_tier_tokens_total{" not in text  # no disk tier configured: no tier series
 
 
-def test_lookups_carry_the_cache_prefix_of_the_config():
+def test_tier_series_exported_with_the_disk_tier():
     types, reg = fresh_types()
-    prom = PooledStorePromMetrics(vllm_cfg(tp=1, cache_prefix="tenant-b"), types,
+    prom = PooledStorePromMetrics(vllm_cfg(tp=1, enable_offload=True, tenant_id="t1"), types,
+                                  ["model_name", "engine"], {0: ["m", "0"]})
+    base = {"model_name": "m", "engine": "0", "tp_rank": "0", "tenant": "t1"}
+    for tier in ("memory", "disk", "unknown"):
+        assert reg.get_sample_value("vllm:mooncake_pool_load_tier_tokens_total",
+                                    {**base, "tier": tier}) == 0
+    rec = StatsRecorder(0, 1)
+    ev = load_event(0, 0, t=1.0)
+    ev.tiers = {"disk": (64, 8192), "memory": (32, 4096)}
+    rec.on_load(ev)
+    prom.observe(rec.snapshot().data, 0)
+    assert reg.get_sample_value("vllm:mooncake_pool_load_tier_tokens_total",
+                                {**base, "tier": "disk"}) == 64
+    assert reg.get_sample_value("vllm:mooncake_pool_load_tier_bytes_total",
+                                {**base, "tier": "memory"}) == 4096
+
+
+def test_lookups_carry_the_cache_prefix_and_tenant_of_the_config():
+    types, reg = fresh_types()
+    prom = PooledStorePromMetrics(vllm_cfg(tp=1, cache_prefix="tenant-b", tenant_id="t-b"), types,
                                   ["model_name", "engine"], {0: ["m", "0"]})
     rec = StatsRecorder()
     rec.on_lookup(LookupEvent("hit", 8, 64, 32, 0.001))
     prom.observe(rec.snapshot().data, 0)
-    labels = {"model_name": "m", "engine": "0", "cache_prefix": "tenant-b"}
+    labels = {"model_name": "m", "engine": "0", "cache_prefix": "tenant-b", "tenant": "t-b"}
     assert reg.get_sample_value("vllm:mooncake_pool_lookups_total",
                                 {**labels, "result": "hit"}) == 1
     assert reg.get_sample_value("vllm:mooncake_pool_lookup_hit_tokens_total", labels) == 64
