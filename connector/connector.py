@@ -12,12 +12,10 @@ client and torch-heavy code load only in the role that needs them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -25,7 +23,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConfigError, load_config
 from connector.keys import KeyBuilder, layout_from_vllm
-from connector.metadata import StepMetadata
+from connector.metadata import LayoutReport, StepMetadata
+from connector.plugin import register
 from connector.stats import PooledStoreStats
 from connector.store import StoreUnavailable
 
@@ -33,13 +32,6 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
-
-
-@dataclass
-class LayoutHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells the scheduler once its KV caches are registered."""
-
-    kv_signature: str
 
 
 def _attn_backend_names(vllm_config: Any) -> str:
@@ -62,13 +54,15 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None, **kwargs: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        ktc = vllm_config.kv_transfer_config
         try:
-            self.config = load_config(extra)
+            self.config = load_config(ktc.kv_connector_extra_config, kv_role=ktc.kv_role)
         except ConfigError as e:
             # One line that names the field and the fix, above vLLM's startup trace.
             logger.error("PooledMooncakeStoreConnector: invalid configuration: %s", e)
             raise
+        for note in self.config.notes:  # in-tree settings taken as their equivalents
+            logger.info("PooledMooncakeStoreConnector: %s", note)
         layout = layout_from_vllm(vllm_config, self.config.model_id)
         self.keys = KeyBuilder(self.config.cache_prefix, layout)
         self.scheduler = None
@@ -150,6 +144,9 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, LayoutReport):
+            self.scheduler.add_layout(report.signatures)
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]
@@ -160,19 +157,13 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register_kv_caches(kv_caches, _attn_backend_names(self._vllm_config))
 
-    def get_handshake_metadata(self) -> LayoutHandshake | None:
-        """The registered KV layout, for the scheduler's keys (sent once, at startup)."""
-        return LayoutHandshake(self.worker.kv_signature) if self.worker else None
-
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        if self.scheduler is None:
-            return
-        signatures = {getattr(m, "kv_signature", None) for m in metadata.values()}
-        if len(signatures) != 1 or None in signatures:
-            raise RuntimeError("PooledMooncakeStoreConnector: the TP ranks registered "
-                               f"different KV layouts {sorted(map(str, signatures))}; "
-                               "blocks cannot be keyed safely")
-        self.scheduler.set_kv_signature(signatures.pop())
+    def build_connector_worker_meta(self) -> LayoutReport | None:
+        """The registered KV layout, while the scheduler asks for it (see LayoutReport)."""
+        meta = self._connector_metadata
+        if (self.worker is None or not isinstance(meta, StepMetadata) or not meta.need_layout
+                or not self.worker.kv_signature):
+            return None
+        return LayoutReport({self.worker.tp_rank: self.worker.kv_signature})
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, StepMetadata)
@@ -212,3 +203,8 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         for side in (self.worker, self.scheduler):
             if side is not None:
                 side.shutdown()
+
+
+# Loaded by module path (`kv_connector_module_path`), the class is still registered by name:
+# MultiConnector looks its members up by class name in the API server.
+register()

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass(frozen=True)
@@ -51,3 +54,22 @@ class StepMetadata(KVConnectorMetadata):
     # Requests preempted this step: their blocks may be reused by this step's forward, so
     # handle_preemptions waits for their in-flight saves first.
     preempted: tuple[str, ...] = ()
+    # The scheduler does not know the workers' KV layout yet: each worker answers with a
+    # LayoutReport in this step's output.
+    need_layout: bool = False
+
+
+@dataclass
+class LayoutReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the KV layout signature each TP rank registered, so scheduler
+    lookups use the same store keys as the workers' loads and saves.
+
+    It travels as worker metadata rather than handshake metadata: vLLM's MultiConnector hands
+    the scheduler only the first non-None handshake of its members, but forwards each member's
+    worker metadata to that member, in any position."""
+
+    signatures: dict[int, str]  # tp rank -> kv_signature
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, LayoutReport)
+        return LayoutReport({**self.signatures, **other.signatures})

@@ -9,6 +9,7 @@ errors or exceeds `lookup_timeout_s` is a miss, never an exception in the engine
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -69,13 +70,44 @@ class MooncakeStoreScheduler:
         # per step (reset in build_connector_meta), not per request.
         self._step_budget_s = config.lookup_wait_ms / 1e3
         self.step_waited_s = 0.0
-        self._keys_ready = False  # until the workers' handshake gives the registered layout
+        # Lookups wait for the layout the workers registered (their LayoutReport), at most
+        # lookup_timeout_s from the first request; after that they are misses until it comes.
+        self._keys_ready = False
+        self._signatures: dict[int, str] = {}
+        self._layout_wait_since: float | None = None
+        self._layout_late = False
 
-    def set_kv_signature(self, signature: str) -> None:
-        """Key lookups by the KV layout the workers registered (their handshake)."""
-        self._keys = self._keys.with_signature(signature)
+    def add_layout(self, signatures: dict[int, str]) -> None:
+        """Key lookups by the KV layout the workers registered, once every rank reported."""
+        self._signatures.update(signatures)
+        if self._keys_ready or len(self._signatures) < self._tp_size:
+            return
+        distinct = set(self._signatures.values())
+        if len(distinct) != 1:
+            logger.error("the TP ranks registered different KV layouts %s; blocks cannot be "
+                         "keyed safely, so this engine never loads from the store",
+                         sorted(distinct))
+            self.config = dataclasses.replace(self.config, enable_load=False, enable_save=False)
+            self._keys_ready = True
+            return
+        self._keys = self._keys.with_signature(distinct.pop())
         self._keys_ready = True
         logger.info("store keys: layout fingerprint %s", self._keys.fingerprint)
+
+    def _layout_pending(self) -> bool:
+        """True while a lookup should wait for the workers' layout (bounded)."""
+        if self._keys_ready:
+            return False
+        now = time.perf_counter()
+        if self._layout_wait_since is None:
+            self._layout_wait_since = now
+        if now - self._layout_wait_since < self.config.lookup_timeout_s:
+            return True
+        if not self._layout_late:
+            self._layout_late = True  # log once
+            logger.warning("no KV layout from the workers after lookup_timeout_s=%.1fs; "
+                           "lookups are misses until it arrives", self.config.lookup_timeout_s)
+        return False
 
     # ---- lookup ----------------------------------------------------------------------------
     def _lookup_range(self, request: Any) -> int:
@@ -96,8 +128,10 @@ class MooncakeStoreScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if not self.config.enable_load or not self._keys_ready:
+        if not self.config.enable_load:
             return 0, False
+        if not self._keys_ready:
+            return (None, False) if self._layout_pending() else (0, False)
         max_blocks = self._lookup_range(request)
         if max_blocks * self._block_size <= num_computed_tokens:
             return 0, False
@@ -208,7 +242,8 @@ class MooncakeStoreScheduler:
                             saves)
         self.step_waited_s = 0.0  # a new step: a new lookup-wait budget
         meta = StepMetadata(loads=tuple(self._loads), saves=tuple(saves),
-                            free_after_jobs=tuple(self._free_after), preempted=preempted)
+                            free_after_jobs=tuple(self._free_after), preempted=preempted,
+                            need_layout=not self._keys_ready)
         self._loads.clear()
         self._free_after.clear()
         return meta

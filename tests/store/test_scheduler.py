@@ -34,11 +34,14 @@ def ask(sched, req, computed: int = 0, timeout: float = 10.0):
     return res
 
 
+SIGNATURE = "CPU_ATTN;[2,B,2,32,32]o[0,1,2,3,4]bfloat16x2"
+
+
 def make(master, **extra) -> MooncakeStoreScheduler:
     cfg = load_config(master.store_config(**extra), environ={})
     keys = KeyBuilder("sched", Layout("m", "bfloat16", BS, 2, 32, 2, 2))  # TP=2
     s = MooncakeStoreScheduler(cfg, keys, BS)
-    s.set_kv_signature("CPU_ATTN;[2,B,2,32,32]o[0,1,2,3,4]bfloat16x2")  # the workers' handshake
+    s.add_layout({r: SIGNATURE for r in range(2)})  # both workers' LayoutReport
     return s
 
 
@@ -158,3 +161,36 @@ def test_lookup_error_and_timeout_are_misses():
         s.shutdown()
     finally:
         live.stop()
+
+
+def test_lookups_wait_for_the_layout_of_every_rank(master, store_node, store_client):
+    """The keys carry the KV layout the workers registered: until every rank's LayoutReport
+    arrived, lookups wait (None: vLLM asks again next step, and that step's metadata asks the
+    workers for it); a bounded wait, then misses."""
+    cfg = load_config(master.store_config(lookup_timeout_s=0.5), environ={})
+    s = MooncakeStoreScheduler(cfg, KeyBuilder("sched", Layout("m", "bfloat16", BS, 2, 32, 2, 2)),
+                               BS)
+    try:
+        hs = hashes("layout", 3)
+        req = request("w", hs, 3 * BS + 1)
+        assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert s.build_connector_meta(step_output()).need_layout
+        s.add_layout({0: SIGNATURE})  # one rank of two: still waiting
+        assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+        s.add_layout({1: SIGNATURE})
+        assert not s.build_connector_meta(step_output()).need_layout
+        store_blocks(store_client, s, hs)  # keys of the reported layout
+        assert ask(s, req) == (3 * BS, True)
+    finally:
+        s.shutdown()
+    late = MooncakeStoreScheduler(cfg, KeyBuilder("sched", Layout("m", "bfloat16", BS, 2, 32, 2,
+                                                                  2)), BS)
+    try:
+        assert late.get_num_new_matched_tokens(req, 0) == (None, False)
+        time.sleep(0.6)  # past lookup_timeout_s without a report: a miss, not a stuck request
+        assert late.get_num_new_matched_tokens(req, 0) == (0, False)
+        late.add_layout({0: SIGNATURE, 1: SIGNATURE + "x"})  # ranks disagree: never load
+        assert late.get_num_new_matched_tokens(request("x", hs, 3 * BS + 1), 0) == (0, False)
+        assert not late.build_connector_meta(step_output()).saves
+    finally:
+        late.shutdown()
