@@ -49,6 +49,10 @@ class MooncakeMaster:
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
     host: str = HOST  # the address it binds and advertises
+    # Multi-tenant mode (--enable_multi_tenants): tenant name -> quota ("64MB"), written as
+    # the master's file quota policy. None: no tenants (every client in the default tenant).
+    tenants: dict[str, str] | None = None
+    offload: bool = False  # --enable_offload: store nodes may keep a disk tier
 
     @property
     def address(self) -> str:
@@ -69,8 +73,18 @@ class MooncakeMaster:
             f"--metrics_host={HOST}",
             f"--metrics_port={self.metrics_port}",
             "--rpc_enable_tcp_no_delay=true",
+            *self._tenant_args(),
+            *(["--enable_offload=true"] if self.offload else []),
             *self.extra_args,
         ]
+
+    def _tenant_args(self) -> list[str]:
+        if self.tenants is None:
+            return []
+        policy = Path(self.log_dir) / "tenant_quotas.yaml"
+        policy.write_text(quota_policy(self.tenants))
+        return ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
+                f"--tenant_quota_connector_uri={policy}"]
 
     def start(self) -> MooncakeMaster:
         self.proc = spawn(self.command(), Path(self.log_dir) / "master.log")
@@ -82,6 +96,12 @@ class MooncakeMaster:
         url = f"http://{self.host}:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.read().decode()
+
+    def segments(self) -> set[str]:
+        """Names (`host:port`) of the memory segments mounted on this master."""
+        url = f"http://{self.host}:{self.metrics_port}/get_all_segments"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return set(r.read().decode().split())
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -111,6 +131,24 @@ class MooncakeMaster:
         return str(path)
 
 
+def quota_policy(tenants: dict[str, str]) -> str:
+    """Mooncake's tenant quota policy (schema version 1) for the given name -> quota."""
+    lines = ["version: 1", "tenants:"]
+    for name, quota in tenants.items():
+        lines += [f"  - name: {json.dumps(name)}", f"    quota: {quota}"]
+    return "\n".join(lines) + "\n"
+
+
+# A disk tier sized for the dev kit's tiny models: Mooncake's bucket backend writes a bucket
+# once it holds 500 keys or 256 MB, and offloads once per 10 s heartbeat; small buckets and a
+# 1 s heartbeat make blocks reach the disk within seconds. Override any of them in `env`.
+DEV_OFFLOAD_ENV = {
+    "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
+    "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "8",
+    "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(4 * 2**20),
+}
+
+
 @dataclass
 class StoreNode:
     """A standalone `mooncake_client` that contributes a global segment to the pool.
@@ -123,22 +161,38 @@ class StoreNode:
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)  # e.g. MC_STORE_CLUSTER_ID for HA
     proc: subprocess.Popen | None = None
+    # A disk tier (--enable_offload) in this directory; the master needs offload=True too.
+    offload_path: str | None = None
+    segment: str = ""  # its segment's name once started (for preferred_segment)
+    # Another metadata server than the master's, e.g. "P2PHANDSHAKE" (clients then must use it
+    # too: a P2PHANDSHAKE client cannot open segments published on the HTTP server).
+    metadata_server: str = ""
 
     def start(self) -> StoreNode:
+        segments = getattr(self.master, "segments", set)  # an HA group has no single master
+        before = segments()
         args = [
             _binary("mooncake_client"),
             f"--master_server_address={self.master.address}",
-            f"--metadata_server={self.master.metadata_server}",
+            f"--metadata_server={self.metadata_server or self.master.metadata_server}",
             f"--host={HOST}",
             f"--port={self.port}",
             "--protocol=tcp",
             f"--global_segment_size={self.segment_size}",
             "--local_buffer_size=16MB",
         ]
+        env = {**os.environ, **self.env}
+        if self.offload_path:
+            args.append("--enable_offload=true")
+            env = {**os.environ, **DEV_OFFLOAD_ENV,
+                   "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": self.offload_path, **self.env}
         self.proc = spawn(args, Path(self.master.log_dir) / f"store-node-{self.port}.log",
-                          env={**os.environ, **self.env})
+                          env=env)
         wait_port(self.port, self.proc, "mooncake_client store node")
         _wait_segment_mounted(self.master)
+        if self.offload_path:  # the disk tier mounts a few seconds later
+            _wait_segment_mounted(self.master, family="master_total_file_capacity_bytes")
+        self.segment = next(iter(segments() - before), "")
         return self
 
     def stop(self) -> None:
@@ -146,15 +200,16 @@ class StoreNode:
         self.proc = None
 
 
-def _wait_segment_mounted(master: MooncakeMaster, timeout: float = 20.0) -> None:
+def _wait_segment_mounted(master: MooncakeMaster, timeout: float = 20.0,
+                          family: str = "master_total_capacity_bytes") -> None:
     """Block until the master reports some mounted capacity (the node finished mounting)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             for line in master.metrics_text().splitlines():
-                if line.startswith("master_total_capacity_bytes") and float(line.split()[-1]) > 0:
+                if line.startswith(family + " ") and float(line.split()[-1]) > 0:
                     return
         except OSError:
             pass
         time.sleep(0.1)
-    raise TimeoutError("store node did not mount its segment on the master in time")
+    raise TimeoutError(f"store node did not mount its segment on the master in time ({family})")

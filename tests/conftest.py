@@ -162,3 +162,21 @@ def corrupt_stored_block(server: VllmServer, client, prefix: str, prompt: list[i
     client.register_buffer(_JUNK.ctypes.data, _JUNK.nbytes)  # idempotent across calls
     assert client.batch_put_from([key], [_JUNK.ctypes.data], [_JUNK.nbytes]) == [0]
     return key
+
+
+@pytest.fixture(scope="session")
+def connector_site(tmp_path_factory) -> str:
+    """The connector installed from its wheel into a directory of its own: its dist-info carries
+    the `vllm.general_plugins` entry point, so engines with it on PYTHONPATH register the
+    connector by name (see `by_name_env`)."""
+    from devkit.wheel import install_wheel
+
+    return str(install_wheel(tmp_path_factory.mktemp("wheel")))
+
+
+def by_name_env(site: str) -> dict[str, str]:
+    """Engine env in which vLLM registers the connector by name through the installed wheel's
+    entry point, while the code itself runs from this checkout (first on the path)."""
+    from devkit.vllm_server import REPO
+
+    return {"PYTHONPATH": f"{REPO}:{site}"}
