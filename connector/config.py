@@ -317,6 +317,8 @@ def _int_in_range(value: Any, field_name: str, lo: int, hi: int, fix: str) -> in
 
 
 def _number(value: Any, field_name: str, lo: float, hi: float) -> float:
+    if isinstance(value, str) and re.match(r"^\s*\d+(\.\d*)?\s*$", value):  # an env variable
+        value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{field_name}: expected a number in [{lo}, {hi}], got {value!r}")
     if not lo <= float(value) <= hi:

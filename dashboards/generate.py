@@ -186,6 +186,41 @@ def master_ha_row() -> Row:
            "etcd lease ~5 s, leader warm-up ~5 s.", width=24, min=0),
     ))
 
+def disk_tier_row() -> Row:
+    """What the disk tier serves (tier_metrics: each load job classified by the tier that held
+    its blocks) and what the master holds on disk."""
+    tokens = rate(series("load_tier_tokens", tp_rank="0"), "tier")
+    disk = rate(series("load_tier_tokens", tp_rank="0", tier="disk"))
+    served = rate(series("load_tier_tokens", tp_rank="0", tier="=~memory|disk"))
+    return Row("Disk tier", (
+        P("Prompt tokens served per tier", "short", ((tokens, "{{tier}}"),),
+          "Prompt tokens per second loaded from the store, by the tier that held their blocks: "
+          "memory, disk (evicted from memory, still on a store node's disk), unknown (the "
+          "master named no replica just before the get). Rank 0 (every rank loads its share of "
+          "the same tokens). Needs enable_offload or tier_metrics.", min=0),
+        P("Disk share of tokens served from the store", "percentunit", (
+            (f"{disk} / {served}", "disk"),
+        ), "Share of the store-served prompt tokens that came from disk: what the disk tier "
+           "adds over memory alone.", min=0, max=1),
+        P("Load bandwidth per tier", "Bps", ((rate(series("load_tier_bytes"), "tier"),
+                                             "{{tier}}"),),
+          "Bytes per second loaded from each tier, all ranks."),
+        P("Disk tier on the masters", "bytes", (
+            (f"sum by (instance) ({master('master_allocated_file_size_bytes')})",
+             "on disk {{instance}}"),
+            (f"sum by (instance) ({master('master_total_file_capacity_bytes')})",
+             "capacity {{instance}}"),
+        ), "Bytes of evicted-or-offloaded objects the store nodes hold on disk, and the disk "
+           "capacity they reported (MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES each).", width=12,
+          min=0),
+        P("Gets served from disk (master)", "Bps", (
+            (f"sum by (instance) (rate({master('file_cache_hit_bytes_total')}"
+             f"[$__rate_interval]))", "{{instance}}"),
+        ), "Bytes per second of replica lookups the master answered with a disk replica (all "
+           "clients, not only this connector).", width=12, min=0),
+    ))
+
+
 LOAD_PIPELINE = Dash(
     uid="mooncake-pool-load",
     file="load-pipeline.json",
@@ -241,8 +276,54 @@ LOAD_PIPELINE = Dash(
             P("Blocks loaded per second", "ops", per_thread_and_total("load_keys"),
               "Store keys (one per block and TP rank) loaded per second."),
         )),
+        disk_tier_row(),
     ),
 )
+
+def tenants_row() -> Row:
+    """Each tenant's hit rate, bytes and refused puts (the connector's series carry the engine's
+    tenant_id as `tenant`), and the master's per-tenant quota figures (--enable_multi_tenants)."""
+    hit, miss = rate(series("lookup_hit_tokens"), "tenant"), rate(series("lookup_miss_tokens"),
+                                                                  "tenant")
+
+    def by_tenant(family: str, legend: str, reduce: str = "rate") -> tuple[str, str]:
+        sel = master(family)
+        expr = f"sum by (tenant_id) ({sel})" if reduce == "sum" else \
+            f"sum by (tenant_id) (rate({sel}[$__rate_interval]))"
+        return expr, legend
+
+    return Row("Tenants", (
+        P("Token hit rate per tenant", "percentunit", ((f"{hit} / ({hit} + {miss})",
+                                                        "{{tenant}}"),),
+          "Prompt tokens found in the store / tokens looked up, per Mooncake tenant "
+          "(tenant_id). A tenant over its quota keeps fewer blocks and hits less; the other "
+          "tenants' hit rates should not move.", min=0, max=1),
+        P("Store bytes per tenant", "Bps", (
+            (rate(series("load_bytes"), "tenant"), "loaded {{tenant}}"),
+            (rate(series("save_bytes"), "tenant"), "stored {{tenant}}"),
+        ), "Bytes per second loaded from and written to the store, per tenant."),
+        P("Puts refused by the master, per tenant", "ops", (
+            (rate(series("failures", op="save", code="=~-1700|-1701"), "tenant, code"),
+             "{{tenant}} {{code}}"),
+        ), "Save jobs the master refused: -1700 the tenant is over its quota (its new blocks "
+           "are not stored), -1701 the tenant is not in the quota policy (nothing of it is "
+           "stored; alert MooncakePoolTenantPutsRefused).", min=0),
+        P("Tenant quota use (master)", "bytes", (
+            by_tenant("mooncake_tenant_quota_charged_bytes", "used {{tenant_id}}", "sum"),
+            by_tenant("mooncake_tenant_quota_effective_bytes", "quota {{tenant_id}}", "sum"),
+        ), "Memory each tenant holds (charged) against its effective quota (the policy's "
+           "quota, scaled down when the quotas add up to more than the pool).", min=0),
+        P("Quota rejects per tenant (master)", "ops", (
+            (f"sum by (tenant_id, reason) (rate({master('mooncake_tenant_quota_reject_total')}"
+             f"[$__rate_interval]))", "{{tenant_id}} {{reason}}"),
+        ), "Writes the master refused per tenant and reason (quota_exceeded: the tenant's own "
+           "older blocks could not be evicted fast enough to make room).", min=0),
+        P("Evicted to make room, per tenant (master)", "Bps", (
+            by_tenant("mooncake_tenant_evict_bytes_total", "{{tenant_id}}"),
+        ), "Bytes per second of a tenant's own blocks the master evicted to admit its new "
+           "writes within its quota (other tenants' blocks are never evicted for it).", min=0),
+    ))
+
 
 ERRORS_AND_STORE = Dash(
     uid="mooncake-pool-errors",
@@ -349,6 +430,7 @@ ERRORS_AND_STORE = Dash(
                "pool is full and eviction cannot keep up).", width=12),
         )),
         master_ha_row(),
+        tenants_row(),
     ),
 )
 

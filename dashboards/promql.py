@@ -37,6 +37,18 @@ MASTER_HA = (
     "master_put_end_requests_total",
 )
 
+# Families a master in multi-tenant mode (--enable_multi_tenants) exports per tenant
+# (label tenant_id); the counters appear once they count something. tests/e2e/test_tenants.py
+# checks them on a live multi-tenant master.
+MASTER_TENANT = (
+    "mooncake_tenant_quota_charged_bytes",
+    "mooncake_tenant_quota_effective_bytes",
+    "mooncake_tenant_quota_reject_total",
+    "mooncake_tenant_evict_bytes_total",
+)
+# Name prefixes of a master's own families (filtered by the master variable, not by engine).
+MASTER_PREFIXES = ("master_", "ha_", "mooncake_tenant_", "file_cache_")
+
 # Dashboard template variables, by the label they filter on.
 VARIABLES = {"model_name": "model", "pod": "pod", "tp_rank": "tp_rank", "thread": "thread"}
 MASTER_VARIABLE = ("instance", "master")

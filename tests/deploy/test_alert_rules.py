@@ -29,6 +29,7 @@ EXPECTED_ALERTS = {
     "MooncakePoolNoSuccessfulStoreOps",
     "MooncakePoolMasterUnreachable",
     "MooncakePoolStoreCallsStuck",
+    "MooncakePoolTenantPutsRefused",
     "MooncakeMasterNoServingLeader",
     "MooncakeMasterStandbyNotFollowing",
 }

@@ -172,15 +172,17 @@ def master_metric_names() -> set[str]:
 
 def test_every_metric_exists(master_metric_names):
     connector = promql.exported_names()
-    allowed = connector | set(promql.VLLM_CORE) | master_metric_names | set(promql.MASTER_HA)
+    allowed = connector | set(promql.VLLM_CORE) | master_metric_names | set(promql.MASTER_HA) \
+        | set(promql.MASTER_TENANT)
     unknown = []
     for name, title, expr in _exprs() + _variable_selectors():
         names = promql.metric_names(expr)
         assert names, f"{name}: {title}: no metric in {expr}"
         unknown += [f"{name}: {title}: {m}" for m in sorted(names - allowed)]
         for m in names:
-            if not m.startswith(("vllm:", "master_", "ha_")):
-                unknown.append(f"{name}: {title}: {m} is neither vllm:, master_ nor ha_")
+            if not m.startswith(("vllm:", *promql.MASTER_PREFIXES)):
+                unknown.append(f"{name}: {title}: {m} is neither vllm: nor a master family "
+                               f"{promql.MASTER_PREFIXES}")
     assert not unknown, "\n".join(unknown)
 
 
@@ -195,12 +197,13 @@ def test_every_connector_family_is_on_a_dashboard():
     assert not missing, f"families without a panel: {missing}"
 
 
-_SELECTOR = re.compile(r"((?:vllm:|master_|ha_)[A-Za-z0-9_:]*)(\{[^}]*\})?")
+_SELECTOR = re.compile(r"((?:vllm:|" + "|".join(promql.MASTER_PREFIXES)
+                       + r")[A-Za-z0-9_:]*)(\{[^}]*\})?")
 
 
 def _wanted_filters(metric: str, by_exported: dict) -> dict[str, str]:
     """label -> variable every selector of `metric` must carry."""
-    if metric.startswith(("master_", "ha_")):
+    if metric.startswith(promql.MASTER_PREFIXES):
         return {"instance": "master"}
     labels = ("model_name", "pod") + tuple(by_exported[metric].labels if metric in by_exported
                                            else ())

@@ -260,6 +260,37 @@ Call with (dict "out" $d "defaults" .Values.deploymentDefaults "entry" $entry "r
 {{- fail (printf "%s: protocol rdma needs deviceName (e.g. mlx5_0)" $where) }}
 {{- end }}
 {{- include "mpc.checkEnv" (dict "env" $out.extraEnv "where" $where) }}
+{{- $mt := .root.Values.master.multiTenants }}
+{{- if and $mt.enabled (not $mt.tenants) }}
+{{- fail "master.multiTenants.enabled: list the tenants and their quotas in master.multiTenants.tenants" }}
+{{- end }}
+{{- if and $mt.enabled (not (has $out.tenantId (include "mpc.tenantNames" .root | fromJsonArray))) }}
+{{- fail (printf "%s: tenantId %q is not in master.multiTenants.tenants; its writes would be refused (-1701)" $where $out.tenantId) }}
+{{- end }}
+{{- end }}
+
+{{/* Tenant names of master.multiTenants.tenants, as a JSON list. */}}
+{{- define "mpc.tenantNames" -}}
+{{- $names := list }}
+{{- range .Values.master.multiTenants.tenants }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- toJson $names }}
+{{- end }}
+
+{{/* The pool has a disk tier (store nodes with storeNodes.offload). */}}
+{{- define "mpc.offload" -}}
+{{- if and .Values.storeNodes.enabled .Values.storeNodes.offload.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The master's tenant quota policy file (Mooncake's schema version 1). */}}
+{{- define "mpc.tenantQuotas" -}}
+version: 1
+tenants:
+{{- range .Values.master.multiTenants.tenants }}
+  - name: {{ .name | quote }}
+    quota: {{ .quota }}
+{{- end }}
 {{- end }}
 
 {{/* Resource name of one vLLM deployment. Call with (dict "root" $ "d" $merged). */}}
@@ -282,7 +313,9 @@ Call with (dict "out" $d "defaults" .Values.deploymentDefaults "entry" $entry "r
   "device_name": {{ .d.deviceName | toJson }},
   {{- end }}
   "global_segment_size": {{ include "mpc.size" .d.globalSegmentSize }},
-  "local_buffer_size": {{ include "mpc.size" .d.localBufferSize }}
+  "local_buffer_size": {{ include "mpc.size" .d.localBufferSize }},
+  "tenant_id": {{ .d.tenantId | toJson }},
+  "enable_offload": {{ if include "mpc.offload" .root }}true{{ else }}false{{ end }}
 }
 {{- end }}
 
