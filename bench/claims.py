@@ -22,7 +22,7 @@ from bench.autothreads import format_auto
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
-FILES = (REPO / "README.md", DOCS / "benchmark.md")
+FILES = (REPO / "README.md", DOCS / "benchmark.md", DOCS / "disk-tier.md")
 BLOCK = re.compile(r"<!-- bench:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /bench:(?P=name) -->",
                    re.S)
 MARK = {True: "met", False: "**missed**", None: "unresolved"}
@@ -48,6 +48,10 @@ class Runs:
     @cached_property
     def serve(self) -> dict[str, Any]:
         return self._json("serve.json")
+
+    @cached_property
+    def disk(self) -> dict[str, Any]:
+        return self._json("disk-tier.json")
 
     @cached_property
     def demo(self) -> str:
@@ -379,6 +383,36 @@ def readme_serve(r: Runs) -> str:
 """
 
 
+def docs_disk_tier(r: Runs) -> str:
+    d = r.disk
+    m, s, p50, q = d["meta"], d["setup"], d["ttft_p50_ms"], d["ratios"]
+    model = s["model"]
+
+    def ratio(key: str) -> str:
+        return f"{_x(q[key]['median'])} (rounds {_span([q[key]['min'], q[key]['max']])})"
+
+    quiet = "" if m["quiet"] else (" The machine was shared with other jobs: the ratios, "
+                                   "measured side by side in each round, hold better than the "
+                                   "absolute times.")
+    return f"""
+Run of {m['date']} (commit {m['commit']}, {s['rounds']} rounds, {m['wall_s']} s; load average
+{m['host']['loadavg_start'][0]:.1f} at the start, {m['host']['loadavg_end'][0]:.1f} at the end,
+on {m['host']['cpus']} CPUs): a Llama with {model['layers']} layers, hidden {model['hidden']}
+({model['dtype']}), {s['prompt_tokens']}-token prompts, {s['blocks_per_hit']} blocks of
+{model['kv_bytes_per_block'] // 1024} KiB loaded per hit.{quiet}
+
+| case | TTFT p50 |
+|---|---|
+| disk hit (every block from the disk tier) | {p50['disk']:.0f} ms |
+| memory hit (every block from memory) | {p50['memory']:.0f} ms |
+| recompute (nothing in the store) | {p50['recompute']:.0f} ms |
+
+Per round: disk hit / memory hit {ratio('disk_over_memory')}, disk hit / recompute
+{ratio('disk_over_recompute')}, memory hit / recompute {ratio('memory_over_recompute')}.
+First tokens of the hits equal those computed: {d['same_first_tokens']}.
+"""
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
     "readme-headlines": readme_headlines,
     "readme-tracing": readme_tracing,
@@ -389,6 +423,7 @@ RENDERERS: dict[str, Callable[[Runs], str]] = {
     "docs-full-output": docs_full_output,
     "docs-serve": docs_serve,
     "readme-serve": readme_serve,
+    "docs-disk-tier": docs_disk_tier,
 }
 
 

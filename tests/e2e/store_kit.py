@@ -53,3 +53,34 @@ def serve(server: VllmServer, prompts: list[list[int]], max_tokens: int = 8
 def store_hits(delta: dict[str, float], **labels: str) -> float:
     """Prompt tokens the engine loaded from the store during `delta` (vLLM's own counter)."""
     return metric_sum(delta, "vllm:external_prefix_cache_hits_total", **labels)
+
+
+def row_panels(prometheus: str, dash_file: str, row_title: str, start: float, end: float
+               ) -> list[Any]:
+    """The panels of one dashboard row, each target queried over [start, end] as Grafana would
+    (variables "All"), like tests/e2e/test_dashboards_live.py does for the whole dashboards."""
+    from dashboards import render
+
+    dash = render.load_dashboards((dash_file,))[dash_file]
+    in_row, out = False, []
+    for p in dash["panels"]:
+        if p.get("type") == "row":
+            in_row = p["title"] == row_title
+        elif in_row:
+            out.append(render.query_panel(prometheus, p, start, end, 1.0, "15s"))
+    assert out, f"{dash_file} has no row {row_title!r}"
+    return out
+
+
+def empty_targets(panels: list[Any]) -> list[str]:
+    """`panel: legend` of every target that returned no data (or an error)."""
+    return [f"{p.title}: {t.legend} ({t.error or 'no data'})\n    {t.expr}"
+            for p in panels for t in p.targets if t.error or not t.has_data]
+
+
+def peak(panels: list[Any], title: str, legend_part: str = "") -> float:
+    """The largest value a panel's series reached (series whose labels contain legend_part)."""
+    panel = next(p for p in panels if p.title == title)
+    vals = [v for t in panel.targets for s in t.series for v in s.values
+            if v == v and legend_part in " ".join(s.labels.values())]
+    return max(vals, default=0.0)

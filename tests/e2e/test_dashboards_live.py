@@ -40,6 +40,19 @@ EXPECTED_EMPTY: dict[tuple[str, str, str], str] = {
     ("errors-and-store.json", "Failovers", "HA state changes {{instance}}"):
         "this run's master has no HA (a single master exports no ha_state_transitions_total); "
         "tests/e2e/test_ha_failover.py checks the HA families on a live HA group",
+    **{("errors-and-store.json", title, legend):
+       "this run's master is not in multi-tenant mode (no mooncake_tenant_* families); "
+       "tests/e2e/test_tenants.py checks the Tenants row against a multi-tenant master"
+       for title, legend in (("Tenant quota use (master)", "used {{tenant_id}}"),
+                             ("Tenant quota use (master)", "quota {{tenant_id}}"),
+                             ("Quota rejects per tenant (master)", "{{tenant_id}} {{reason}}"),
+                             ("Evicted to make room, per tenant (master)", "{{tenant_id}}"))},
+    **{("load-pipeline.json", title, legend):
+       "this run's engine has no disk tier (no enable_offload: no tier series); "
+       "tests/e2e/test_disk_tier.py checks the Disk tier row against a store with one"
+       for title, legend in (("Prompt tokens served per tier", "{{tier}}"),
+                             ("Disk share of tokens served from the store", "disk"),
+                             ("Load bandwidth per tier", "{{tier}}"))},
 }
 
 # Alerts whose condition this test machine may meet on a healthy run -> why.

@@ -1,0 +1,138 @@
+"""The disk tier (`enable_offload`): a store node with a small memory segment and a disk tier,
+and a working set three times the memory. The same run twice, on two pools that differ only in
+the tier:
+- with it, blocks evicted from memory still hit (from disk), where without it they miss;
+- outputs equal recompute (an engine without the connector, float32) in both runs;
+- the per-tier series move (tokens and bytes served from memory and from disk), and the Disk
+  tier row of the dashboard shows them from a real Prometheus.
+
+The masters lease blocks for 0.5 s after their last use instead of 10 s, so the small segment
+evicts (and the disk tier receives) within the test.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from dashboards.local_prometheus import LocalPrometheus
+from devkit.local_cluster import MooncakeMaster, StoreNode
+from devkit.vllm_server import (
+    BLOCK_SIZE,
+    VllmServer,
+    connector_kv_config,
+    metric_sum,
+    parse_metrics,
+)
+from tests.e2e.store_kit import (
+    FLOAT32,
+    PREFIX,
+    empty_targets,
+    peak,
+    row_panels,
+    saved_blocks,
+    serve,
+    store_hits,
+    wait_for_saves,
+)
+
+pytestmark = pytest.mark.timeout(1800)
+
+BLOCKS = 8  # full blocks per prompt; a float32 block of the tiny model is 32 KiB
+SEGMENT = "4MB"  # 128 blocks in memory
+PROMPTS = [[random.Random(i).randrange(3, 1000) for _ in range(BLOCKS * BLOCK_SIZE + 5)]
+           for i in range(48)]  # 384 blocks: three times the memory
+LOOKED_UP = len(PROMPTS) * BLOCKS * BLOCK_SIZE  # tokens the second pass looks up
+LEASE = ("--default_kv_lease_ttl=500",)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model) -> list[list[int]]:
+    server = VllmServer(tiny_model, extra_args=FLOAT32).start()
+    try:
+        return [server.complete(p) for p in PROMPTS]
+    finally:
+        server.stop()
+
+
+def disk_objects(master: MooncakeMaster) -> float:
+    return metric_sum(parse_metrics(master.metrics_text()), "file_cache_nums_")
+
+
+def run(tiny_model, master: MooncakeMaster, offload: bool, prom_dir=None):
+    """Fill the store with every prompt, then serve them all again from a reset local cache:
+    (outputs of both passes, the second pass's metric deltas, panels of the Disk tier row)."""
+    extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
+                                cache_prefix="disk", enable_offload=offload)
+    server = VllmServer(tiny_model, connector_kv_config(extra), extra_args=FLOAT32)
+    prom = None
+    if prom_dir is not None:
+        prom = LocalPrometheus({
+            "vllm": [server.url.removeprefix("http://")],
+            "mooncake-master": [f"127.0.0.1:{master.metrics_port}"],
+        }, workdir=str(prom_dir)).start()
+    try:
+        server.start()
+        start = time.time()
+        first = [server.complete(p) for p in PROMPTS]
+        wait_for_saves(server, saved_blocks(PROMPTS))
+        if offload:  # wait for the store node to have written what the memory evicted
+            deadline = time.monotonic() + 120
+            while disk_objects(master) < 0.9 * saved_blocks(PROMPTS):
+                assert time.monotonic() < deadline, f"{disk_objects(master)} blocks on disk"
+                time.sleep(0.5)
+        second, delta = serve(server, PROMPTS)
+        time.sleep(4)  # the last stats reach the API server and are scraped
+        panels = row_panels(prom.url, "load-pipeline.json", "Disk tier", start - 2,
+                            time.time()) if prom else []
+        return first, second, delta, panels
+    finally:
+        server.stop()
+        if prom:
+            prom.stop()
+
+
+def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(tiny_model, reference,
+                                                               tmp_path):
+    m = MooncakeMaster(offload=True, extra_args=LEASE).start()
+    try:
+        node = StoreNode(m, segment_size=SEGMENT, offload_path=str(tmp_path / "offload")).start()
+        try:
+            first, second, delta, panels = run(tiny_model, m, True, tmp_path / "prometheus")
+        finally:
+            node.stop()
+    finally:
+        m.stop()
+    plain = MooncakeMaster(extra_args=LEASE).start()
+    try:
+        node = StoreNode(plain, segment_size=SEGMENT).start()
+        try:
+            p_first, p_second, p_delta, _ = run(tiny_model, plain, False)
+        finally:
+            node.stop()
+    finally:
+        plain.stop()
+
+    with_tier, without = store_hits(delta), store_hits(p_delta)
+    print(f"store-hit tokens of {LOOKED_UP} looked up: {with_tier:.0f} with the disk tier, "
+          f"{without:.0f} with memory alone ({SEGMENT}: {128 * BLOCK_SIZE} tokens)")
+    assert first == second == reference and p_first == p_second == reference
+    # Memory alone holds at most 128 blocks of the 384: the rest misses. With the tier
+    # nearly everything hits, most of it from disk.
+    assert without <= 128 * BLOCK_SIZE
+    assert with_tier >= 0.9 * LOOKED_UP > without
+    tier = {t: metric_sum(delta, PREFIX + "load_tier_tokens_total", tier=t)
+            for t in ("memory", "disk", "unknown")}
+    assert tier["disk"] > with_tier / 2 and tier["memory"] > 0, tier
+    assert sum(tier.values()) == with_tier  # every loaded token is attributed to a tier
+    assert metric_sum(delta, PREFIX + "load_tier_bytes_total", tier="disk") == \
+        tier["disk"] // BLOCK_SIZE * 32768
+    assert metric_sum(delta, PREFIX + "load_jobs_total", status="error") == 0
+    assert metric_sum(p_delta, PREFIX + "load_tier_tokens_total") == 0  # no tier, no series
+    # The Disk tier row of "Mooncake pool / Load pipeline", from a real Prometheus.
+    assert not empty_targets(panels), "\n".join(empty_targets(panels))
+    assert peak(panels, "Prompt tokens served per tier", "disk") > 0
+    assert peak(panels, "Disk share of tokens served from the store") > 0.5
+    assert peak(panels, "Gets served from disk (master)") > 0

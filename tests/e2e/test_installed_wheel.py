@@ -1,0 +1,76 @@
+"""`vllm serve` with the connector's name alone, as an operator runs it after
+`pip install mooncake-pooled-connector`: the wheel built from this checkout, installed into a
+directory of its own (no editable checkout on the path, not run from the checkout), its
+`vllm.general_plugins` entry point registering the connector in every vLLM process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from devkit.processes import spawn, wait_http
+from devkit.vllm_server import VllmServer, metric_sum
+from tests.conftest import engine_extra
+from tests.e2e.store_kit import (
+    FLOAT32,
+    PREFIX,
+    by_name,
+    saved_blocks,
+    serve,
+    store_hits,
+    wait_for_saves,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+class WheelServer(VllmServer):
+    """A `vllm serve` whose only connector code is the installed wheel: PYTHONPATH is the
+    wheel's directory and the working directory is outside the checkout."""
+
+    site: str = ""
+    workdir: str = ""
+
+    def start(self, timeout: float = 240.0) -> WheelServer:
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "PYTHONPATH": self.site}
+        self.proc = spawn(self.command(), self.log_path, env=env, cwd=self.workdir)
+        try:
+            wait_http(self.url + "/health", self.proc, "vllm serve", timeout)
+        except (RuntimeError, TimeoutError) as e:
+            self.stop()
+            raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
+        return self
+
+
+def test_connector_by_name_from_the_installed_wheel(tiny_model, master, store_node, prompts,
+                                                    connector_site, tmp_path):
+    # In that environment `connector` is the wheel's copy, and its entry point is visible.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import connector, importlib.metadata as md; "
+         "print(connector.__file__); print([e.value for e in md.entry_points("
+         "group='vllm.general_plugins')])"],
+        env={**os.environ, "PYTHONPATH": connector_site}, cwd=tmp_path, capture_output=True,
+        text=True, check=True).stdout.splitlines()
+    assert probe[0].startswith(connector_site), probe
+    assert "connector.plugin:register" in probe[1], probe
+
+    server = WheelServer(tiny_model, by_name(**engine_extra(master, cache_prefix="wheel")),
+                         extra_args=FLOAT32)
+    server.site, server.workdir = connector_site, str(tmp_path)
+    server.start()
+    try:
+        first, _ = serve(server, prompts)
+        wait_for_saves(server, saved_blocks(prompts))
+        second, delta = serve(server, prompts)
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    assert second == first
+    assert store_hits(delta) > 0 and metric_sum(delta, PREFIX + "load_bytes_total") > 0
+    assert metric_sum(metrics, PREFIX + "recv_threads") == 1
+    log = open(server.log_path, errors="replace").read()
+    assert "kv_connector_module_path=None" in log  # really by name

@@ -1,0 +1,179 @@
+"""Tenants on a real master in multi-tenant mode (`--enable_multi_tenants`, a file quota policy):
+two engines, each its own tenant (`tenant_id`), one flooding a small quota.
+
+What must hold (issue 21):
+- the flooding tenant's overflow is rejected or evicted within its quota: the master never
+  charges it more than its effective quota, and counts its rejects / evictions;
+- the other tenant's hit rate on its hot prefixes is the same before and after the flood;
+- every request of both completes with the outputs of an engine without the connector (float32);
+- a put rejected by the quota is on the flooding engine's /metrics with its code (-1700);
+- the Tenants row of the dashboard shows all of it from a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dashboards.local_prometheus import LocalPrometheus
+from devkit.local_cluster import MooncakeMaster, StoreNode
+from devkit.vllm_server import (
+    BLOCK_SIZE,
+    VllmServer,
+    connector_kv_config,
+    metric_sum,
+    parse_metrics,
+)
+from tests.e2e.store_kit import (
+    FLOAT32,
+    PREFIX,
+    empty_targets,
+    peak,
+    row_panels,
+    saved_blocks,
+    serve,
+    wait_for_saves,
+)
+
+pytestmark = pytest.mark.timeout(1800)
+
+BLOCKS = 8  # full blocks per prompt
+FLOOD_QUOTA = "1MB"  # 32 blocks of 32 KiB (float32): the flood writes six times that
+HOT, FLOOD = "hot", "flood"
+
+
+def make(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(BLOCKS * BLOCK_SIZE + 5)] for _ in range(n)]
+
+
+HOT_PROMPTS, FLOOD_PROMPTS = make(1, 4), make(2, 24)
+
+
+@pytest.fixture(scope="module")
+def tenant_master():
+    # Blocks stay leased (unevictable) for 2 s after their last use instead of 10 s, so the
+    # flood meets both answers of a full quota within the test: rejects while everything of
+    # the tenant is leased, evictions of its own older blocks after.
+    m = MooncakeMaster(tenants={HOT: "64MB", FLOOD: FLOOD_QUOTA},
+                       extra_args=("--default_kv_lease_ttl=2000",)).start()
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def tenant_node(tenant_master):
+    node = StoreNode(tenant_master, segment_size="256MB").start()
+    yield node
+    node.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
+    server = VllmServer(tiny_model, extra_args=FLOAT32).start()
+    try:
+        return {tuple(p): server.complete(p) for p in HOT_PROMPTS + FLOOD_PROMPTS}
+    finally:
+        server.stop()
+
+
+def tenant_engine(tiny_model, master, tenant: str) -> VllmServer:
+    extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
+                                tenant_id=tenant, cache_prefix="tenants")
+    return VllmServer(tiny_model, connector_kv_config(extra), extra_args=FLOAT32)
+
+
+def hit_rate(delta: dict[str, float], tenant: str) -> float:
+    hit = metric_sum(delta, PREFIX + "lookup_hit_tokens_total", tenant=tenant)
+    miss = metric_sum(delta, PREFIX + "lookup_miss_tokens_total", tenant=tenant)
+    return hit / (hit + miss)
+
+
+def master_samples(master: MooncakeMaster) -> dict[str, float]:
+    return parse_metrics(master.metrics_text())
+
+
+def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node, reference,
+                                          tmp_path):
+    hot = tenant_engine(tiny_model, tenant_master, HOT)
+    flood = tenant_engine(tiny_model, tenant_master, FLOOD)
+    prom = LocalPrometheus({
+        "vllm": [hot.url.removeprefix("http://"), flood.url.removeprefix("http://")],
+        "mooncake-master": [f"127.0.0.1:{tenant_master.metrics_port}"],
+    }, workdir=str(tmp_path / "prometheus")).start()
+    try:
+        hot.start()
+        start = time.time()
+        # The hot tenant stores its prefixes, then reads them back: the figure before.
+        first, _ = serve(hot, HOT_PROMPTS)
+        wait_for_saves(hot, saved_blocks(HOT_PROMPTS))
+        before_out, before = serve(hot, HOT_PROMPTS)
+        rate_before = hit_rate(before, HOT)
+
+        # The flood: 24 prompts of 8 blocks (6 MB) against a 1 MB quota, 8 at a time, twice,
+        # while the master's charge for the tenant is sampled.
+        flood.start()
+        over: list[tuple[float, float]] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.2):
+                m = master_samples(tenant_master)
+                charged = metric_sum(m, "mooncake_tenant_quota_charged_bytes", tenant_id=FLOOD)
+                quota = metric_sum(m, "mooncake_tenant_quota_effective_bytes", tenant_id=FLOOD)
+                if charged > quota:
+                    over.append((charged, quota))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                flood.reset_prefix_cache()
+                flood_first = list(pool.map(flood.complete, FLOOD_PROMPTS))
+                flood.reset_prefix_cache()  # the second pass loads what the quota kept
+                flood_second = list(pool.map(flood.complete, FLOOD_PROMPTS))
+        finally:
+            done.set()
+            watcher.join()
+
+        after_out, after = serve(hot, HOT_PROMPTS)
+        rate_after = hit_rate(after, HOT)
+        time.sleep(4)  # the last stats reach the API servers and are scraped
+        end = time.time()
+
+        print(f"hot tenant token hit rate: before the flood {rate_before:.3f}, "
+              f"after {rate_after:.3f}")
+        # Every request of both tenants: the outputs of an engine without the connector.
+        want_hot = [reference[tuple(p)] for p in HOT_PROMPTS]
+        assert first == before_out == after_out == want_hot
+        want_flood = [reference[tuple(p)] for p in FLOOD_PROMPTS]
+        assert flood_first == want_flood and flood_second == want_flood
+        # The hot tenant's hit rate is unchanged, and it is a real hit rate.
+        assert rate_before == rate_after > 0.9
+        # The flood stayed within its quota, and the master rejected or evicted its overflow.
+        assert not over, f"the flooding tenant was charged above its quota: {over[:5]}"
+        m = master_samples(tenant_master)
+        rejected = metric_sum(m, "mooncake_tenant_quota_reject_total", tenant_id=FLOOD)
+        evicted = metric_sum(m, "mooncake_tenant_evict_bytes_total", tenant_id=FLOOD)
+        assert rejected + evicted > 0
+        assert metric_sum(m, "mooncake_tenant_quota_reject_total", tenant_id=HOT) == 0
+        assert metric_sum(m, "mooncake_tenant_evict_bytes_total", tenant_id=HOT) == 0
+        # The rejected puts, with their code, on the flooding engine's /metrics (and only there).
+        refused = PREFIX + "failures_total"
+        assert metric_sum(flood.metrics(), refused, op="save", code="-1700", tenant=FLOOD) > 0
+        assert metric_sum(hot.metrics(), refused, op="save", code="-1700") == 0
+
+        # The Tenants row of "Mooncake pool / Errors and store", from a real Prometheus.
+        panels = row_panels(prom.url, "errors-and-store.json", "Tenants", start - 2, end)
+        assert not empty_targets(panels), "\n".join(empty_targets(panels))
+        assert peak(panels, "Puts refused by the master, per tenant", FLOOD) > 0
+        assert peak(panels, "Token hit rate per tenant", HOT) > 0.9
+        assert peak(panels, "Tenant quota use (master)", FLOOD) > 0
+    finally:
+        for server in (flood, hot):
+            server.stop()
+        prom.stop()
