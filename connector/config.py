@@ -174,8 +174,9 @@ KEYS: tuple[Key, ...] = (
         "`--enable_multi_tenants`, its quota: the tenant must be in the quota policy); also the "
         "`tenant` label of the hit-rate, byte and failure series", mooncake=True),
     Key("enable_offload", "bool", False, "in-tree field: the store has a disk tier (master "
-        "and store nodes run with `--enable_offload`): loads are split so each get from disk "
-        "fits the owner's staging buffer, and `tier_metrics` is on", mooncake=True),
+        "and store nodes run with `--enable_offload`): a load's gets are made one after "
+        "another, each fitting the owner's staging buffer, and `tier_metrics` is on",
+        mooncake=True),
     Key("tier_metrics", "bool", None, "classify every load by the tier that holds its blocks "
         "(memory or disk; one master replica query per load job), exported as "
         "`vllm:mooncake_pool_load_tier_tokens_total` and `..._bytes_total`",

@@ -72,15 +72,18 @@ class BlockStager:
             view.index_copy_(0, idx, src[:, a:b])
 
     def get(self, client: Any, keys: list[str], block_ids: list[int],
-            writing: Callable[[], AbstractContextManager[bool]]) -> list[int]:
-        """Get into the buffer a buffer-full at a time and scatter the blocks that arrived
-        whole; per-key results as the store's multi-buffer get returns them.
+            writing: Callable[[], AbstractContextManager[bool]], per_call: int = 0
+            ) -> list[int]:
+        """Get into the buffer a buffer-full (or `per_call` blocks, if fewer) at a time and
+        scatter the blocks that arrived whole; per-key results as the store's multi-buffer get
+        returns them.
 
         `writing()` guards each scatter (the only write into the KV cache): when it yields
         False the job has expired, its blocks belong to vLLM again, and the get stops."""
         results: list[int] = []
-        for i in range(0, len(keys), self.capacity):
-            n = min(self.capacity, len(keys) - i)
+        step = min(self.capacity, per_call) if per_call else self.capacity
+        for i in range(0, len(keys), step):
+            n = min(step, len(keys) - i)
             res = client.batch_get_into(keys[i:i + n], self.addresses[:n], self.sizes[:n])
             ids = block_ids[i:i + n]
             ok = [j for j, r in enumerate(res) if r == self.block_bytes]

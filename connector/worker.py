@@ -91,7 +91,7 @@ class MooncakeStoreWorker:
         self._num_blocks = num_blocks
         self._regions: BlockRegions | None = None
         self._staged = False  # staging buffers (per thread, made on first use) or multi-buffer
-        self._split = config.load_split_blocks  # most blocks per load job (see _split_blocks)
+        self._disk_chunk = 0  # with a disk tier: most blocks per get call (see _disk_chunk_blocks)
         self._tls = threading.local()
         self._buffers_lock = threading.Lock()
         self.staging_buffers = 0  # live staging buffers (bounded: threads + stuck threads)
@@ -133,7 +133,7 @@ class MooncakeStoreWorker:
         self._regions = compute_regions(kv_caches, self._num_blocks)
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
-        self._split = self._split_blocks()
+        self._disk_chunk = self._disk_chunk_blocks()
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
         logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
                     "threads, %s", len(self._regions.sizes), self._regions.block_bytes,
@@ -153,13 +153,13 @@ class MooncakeStoreWorker:
                                 and self.config.store.protocol == "tcp"
                                 and len(self._regions.sizes) > 1)
 
-    def _split_blocks(self) -> int:
-        """Most blocks in one load job (0: no limit): load_split_blocks, and with a disk tier
-        what one get may read from disk (the owner stages it in a buffer of
-        disk_staging_buffer_size; a larger get fails with -10 BUFFER_OVERFLOW)."""
-        split = self.config.load_split_blocks
+    def _disk_chunk_blocks(self) -> int:
+        """With a disk tier, the most blocks one get may ask for (0: no limit): the store node
+        reads disk objects into its staging buffer (disk_staging_buffer_size) before sending
+        them, and a get that does not fit fails whole with -10 BUFFER_OVERFLOW. A job's gets
+        run one after another, as the in-tree connector's sub-batches do."""
         if not self.config.enable_offload:
-            return split
+            return 0
         budget = int(self.config.disk_staging_buffer_size * self.config.disk_staging_usable_ratio)
         fit = budget // disk_staged_bytes(self._regions.block_bytes)
         if fit == 0:
@@ -167,7 +167,7 @@ class MooncakeStoreWorker:
                 f"kv_connector_extra_config.disk_staging_buffer_size: {budget} usable bytes "
                 f"hold no block of {self._regions.block_bytes} bytes; raise it (and the store "
                 "nodes' MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES) or disk_staging_usable_ratio")
-        return min(split, fit) if split else fit
+        return fit
 
     def _register_buffers(self, client: Any) -> None:
         for ptr, size in self._regions.storages:
@@ -211,7 +211,7 @@ class MooncakeStoreWorker:
     def start_load(self, meta: StepMetadata) -> None:
         now = time.perf_counter()
         ctx = self._context()
-        parts = [p for t in meta.loads for p in t.split(self._split)]
+        parts = [p for t in meta.loads for p in t.split(self.config.load_split_blocks)]
         self.ledger.add_loads(p.req_id for p in parts)
         for p in parts:
             self.pool.submit(_Job(p, now, ctx))
@@ -301,11 +301,9 @@ class MooncakeStoreWorker:
                 if self.config.tier_metrics:
                     key_tiers = [replica_tier(descriptors.get(k)) for k in keys]
             if stager:
-                results = stager.get(client, keys, t.block_ids, ticket.writing)
+                results = stager.get(client, keys, t.block_ids, ticket.writing, self._disk_chunk)
             else:  # zero-copy: the call itself writes into the KV blocks
-                with ticket.writing() as ok:
-                    results = (client.batch_get_into_multi_buffers(keys, *addrs) if ok
-                               else [])
+                results = self._get_multi_buffers(client, keys, addrs, ticket)
             want = self._regions.block_bytes
             if not ticket.expired and len(results) != len(keys):
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
@@ -332,6 +330,20 @@ class MooncakeStoreWorker:
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
             trace_parent=job.trace_parent, tiers=tiers))
+
+    def _get_multi_buffers(self, client: Any, keys: list[str], addrs: Any,
+                           ticket: Ticket[_Job]) -> list[int]:
+        """Multi-buffer gets straight into the KV blocks: one call, or with a disk tier calls
+        of at most _disk_chunk blocks; each writes only while the ticket allows it."""
+        step = self._disk_chunk or len(keys)
+        results: list[int] = []
+        for i in range(0, len(keys), step):
+            with ticket.writing() as ok:
+                if not ok:
+                    return results
+                results += client.batch_get_into_multi_buffers(
+                    keys[i:i + step], addrs[0][i:i + step], addrs[1][i:i + step])
+        return results
 
     def _served_by_tier(self, key_tiers: list[str], results: list[int], want: int
                         ) -> dict[str, tuple[int, int]]:

@@ -100,7 +100,7 @@ def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(tiny_model, refe
     try:
         node = StoreNode(m, segment_size=SEGMENT, offload_path=str(tmp_path / "offload")).start()
         try:
-            first, second, delta, panels = run(tiny_model, m, True, tmp_path / "prometheus")
+            first, second, delta, panels = run(tiny_model, m, True, tmp_path)
         finally:
             node.stop()
     finally:

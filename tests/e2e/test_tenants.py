@@ -104,7 +104,7 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
     prom = LocalPrometheus({
         "vllm": [hot.url.removeprefix("http://"), flood.url.removeprefix("http://")],
         "mooncake-master": [f"127.0.0.1:{tenant_master.metrics_port}"],
-    }, workdir=str(tmp_path / "prometheus")).start()
+    }, workdir=str(tmp_path)).start()
     try:
         hot.start()
         start = time.time()
