@@ -44,6 +44,7 @@ pytestmark = pytest.mark.timeout(1800)
 BLOCKS = 8  # full blocks per prompt
 FLOOD_QUOTA = "1MB"  # 32 blocks of 32 KiB (float32): the flood writes six times that
 HOT, FLOOD = "hot", "flood"
+LEASE_S = 10  # the master's --default_kv_lease_ttl (its default)
 
 
 def make(seed: int, n: int) -> list[list[int]]:
@@ -56,11 +57,7 @@ HOT_PROMPTS, FLOOD_PROMPTS = make(1, 4), make(2, 24)
 
 @pytest.fixture(scope="module")
 def tenant_master():
-    # Blocks stay leased (unevictable) for 2 s after their last use instead of 10 s, so the
-    # flood meets both answers of a full quota within the test: rejects while everything of
-    # the tenant is leased, evictions of its own older blocks after.
-    m = MooncakeMaster(tenants={HOT: "64MB", FLOOD: FLOOD_QUOTA},
-                       extra_args=("--default_kv_lease_ttl=2000",)).start()
+    m = MooncakeMaster(tenants={HOT: "64MB", FLOOD: FLOOD_QUOTA}).start()
     yield m
     m.stop()
 
@@ -115,7 +112,10 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
         rate_before = hit_rate(before, HOT)
 
         # The flood: 24 prompts of 8 blocks (6 MB) against a 1 MB quota, 8 at a time, twice,
-        # while the master's charge for the tenant is sampled.
+        # while the master's charge for the tenant is sampled. A block is leased (not
+        # evictable) for 10 s after its last use, so the first pass meets a full quota of leased
+        # blocks (its overflow is rejected) and the second, after the leases ran out, a full
+        # quota of evictable ones (the master evicts the tenant's own older blocks).
         flood.start()
         over: list[tuple[float, float]] = []
         done = threading.Event()
@@ -134,6 +134,7 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
             with ThreadPoolExecutor(8) as pool:
                 flood.reset_prefix_cache()
                 flood_first = list(pool.map(flood.complete, FLOOD_PROMPTS))
+                time.sleep(LEASE_S + 1)
                 flood.reset_prefix_cache()  # the second pass loads what the quota kept
                 flood_second = list(pool.map(flood.complete, FLOOD_PROMPTS))
         finally:
@@ -159,12 +160,17 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
         m = master_samples(tenant_master)
         rejected = metric_sum(m, "mooncake_tenant_quota_reject_total", tenant_id=FLOOD)
         evicted = metric_sum(m, "mooncake_tenant_evict_bytes_total", tenant_id=FLOOD)
-        assert rejected + evicted > 0
+        assert rejected > 0 and evicted > 0
         assert metric_sum(m, "mooncake_tenant_quota_reject_total", tenant_id=HOT) == 0
         assert metric_sum(m, "mooncake_tenant_evict_bytes_total", tenant_id=HOT) == 0
         # The rejected puts, with their code, on the flooding engine's /metrics (and only there).
         refused = PREFIX + "failures_total"
-        assert metric_sum(flood.metrics(), refused, op="save", code="-1700", tenant=FLOOD) > 0
+        fm = flood.metrics()
+        print(f"flood tenant: {rejected:.0f} writes rejected and {evicted / 2**20:.1f} MB evicted "
+              "by the master; save failures by code on its engine:",
+              {k.split("code=")[1].split(",")[0]: v for k, v in fm.items()
+               if k.startswith(refused) and 'op="save"' in k and v})
+        assert metric_sum(fm, refused, op="save", code="-1700", tenant=FLOOD) > 0
         assert metric_sum(hot.metrics(), refused, op="save", code="-1700") == 0
 
         # The Tenants row of "Mooncake pool / Errors and store", from a real Prometheus.
