@@ -23,9 +23,9 @@ from tests.worker_kit import hashes, run_step
 
 LOAD_TIMEOUT_S = 2.0
 # Mooncake's own bound on one call (a transfer, a master RPC), pinned far past the connector's
-# deadlines: a call to a frozen peer provably outlives load_timeout_s, whatever the host's
-# speed or the caller's environment (Mooncake's default, 30 s, could be overridden there).
-FROZEN_CALL_S = 10 * LOAD_TIMEOUT_S
+# deadlines and any recompute here: a call to a frozen peer provably outlives load_timeout_s,
+# whatever the host's speed or the caller's environment (which could override Mooncake's 30 s).
+FROZEN_CALL_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -179,44 +179,43 @@ def test_frozen_peer_never_holds_a_request(fault_server, cluster, which):
     """SIGSTOP (a frozen peer: TCP open, nothing answers), then a burst of store hits. A
     frozen store node holds the loads' calls: each is recomputed after load_timeout_s; a
     frozen master holds the lookups: each is a miss after lookup_timeout_s. Either way every
-    request completes with the exact output within the deadline plus the time the burst takes
-    to compute, and once the peer answers the cache hits again with no stuck thread or extra
-    staging buffer left behind."""
+    request completes with the exact output without waiting for a frozen call, and once the
+    peer answers the cache hits again with no stuck thread or extra staging buffer left
+    behind."""
     import os
     import signal
 
     master, node, _ = cluster
     proc = (node if which == "store_node" else master).proc
+    work = prompts(3 if which == "master" else 4)
     before = fault_server.metrics()
     try:
         _, after_fault, compute_s = fill_then_burst(
-            fault_server, prompts(3 if which == "master" else 4),
-            lambda: os.killpg(proc.pid, signal.SIGSTOP), first=True)
+            fault_server, work, lambda: os.killpg(proc.pid, signal.SIGSTOP), first=True)
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
     print(f"burst completed {after_fault:.2f}s after the {which} froze (computing it took "
           f"{compute_s:.2f}s)")
-    # Without deadlines the burst waits out FROZEN_CALL_S; the slack covers the recompute on
-    # a shared 2-core host.
-    assert after_fault < LOAD_TIMEOUT_S + 2 * compute_s + 5.0, \
-        f"burst took {after_fault:.1f}s, computing it {compute_s:.1f}s"
+    # The peer stays frozen until the burst is over, so a request that waited for a frozen
+    # call could not complete before FROZEN_CALL_S: this bound holds however slow the host.
+    assert after_fault < FROZEN_CALL_S, f"the burst waited {after_fault:.1f}s for the {which}"
     m = fault_server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(m, P + name, **labels) - metric_sum(before, P + name, **labels)
+
     if which == "store_node":
-        # Every load of the burst reached the frozen node and ended at its deadline: none can
-        # return earlier (FROZEN_CALL_S), so each failed load counts code="timeout", none
-        # another code.
-        failed = metric_sum(m, P + "load_jobs_total", status="error") - metric_sum(
-            before, P + "load_jobs_total", status="error")
+        # Every load of the burst reached the frozen node and ended at its deadline (none can
+        # return before FROZEN_CALL_S), so each failed load counts code="timeout" and none
+        # another code; and none was retried (one load job per request).
+        failed = delta("load_jobs_total", status="error")
         codes = {k: v - before.get(k, 0) for k, v in m.items()
                  if k.startswith(P + "failures_total") and 'op="load"' in k
                  and v > before.get(k, 0)}
-        timeouts = metric_sum(m, P + "failures_total", op="load", code="timeout") - metric_sum(
-            before, P + "failures_total", op="load", code="timeout")
-        assert failed > 0, "no load failed: the burst never asked the frozen store node"
-        assert timeouts == failed, f"{failed} failed loads, by code: {codes}"
+        assert 0 < failed <= len(work), f"{failed} failed loads for {len(work)} requests"
+        assert delta("failures_total", op="load", code="timeout") == failed, codes
     else:
-        assert metric_sum(m, P + "lookups_total", result="timeout") > metric_sum(
-            before, P + "lookups_total", result="timeout")
+        assert delta("lookups_total", result="timeout") > 0
     wait_for_cache(fault_server, 300 if which == "master" else 400)
     deadline = time.monotonic() + 60
     while True:  # the stuck calls return once the peer answers; nothing leaks
