@@ -24,7 +24,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from connector.config import CONFIG_PATH_ENV, EXTRA, ConfigError, ConnectorConfig, load_config
 from connector.store import (
@@ -212,8 +212,9 @@ CHECKS: list[Check] = [
 ]
 
 
-def run(ctx: Context, checks: list[Check] = CHECKS, out=sys.stdout) -> bool:
+def run(ctx: Context, checks: list[Check] = CHECKS, out: TextIO | None = None) -> bool:
     """Run the checks in order, one line each; True when none failed."""
+    out = out or sys.stdout
     passed: set[str] = set()
     ok = True
     width = max(len(c.name) for c in checks)
