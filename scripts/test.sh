@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite: unit tests, real Mooncake master + store
-# node, real vLLM engines, helm, promtool, Prometheus, an OTLP collector (its duration: README,
-# Development); pass pytest arguments to narrow it (e.g. scripts/test.sh -k worker). Every skipped
-# test is printed with its reason, and a skip not in the README's allowed-skips list fails the run.
+# node, real vLLM engines, helm, promtool, Prometheus, an OTLP collector (its duration:
+# docs/development.md); pass pytest arguments to narrow it (e.g. scripts/test.sh -k worker). Every
+# skipped test is printed with its reason, and a skip not in the allowed-skips list of
+# docs/development.md fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -1,13 +1,13 @@
-"""A skip is a failure unless the README allows it, with its reason.
+"""A skip is a failure unless the docs allow it, with its reason.
 
 `scripts/test.sh` (and so CI) loads this plugin (`-p tests.skip_policy`). At the end of the run
-it lists every skipped test with its reason, and it fails the run on any skip that the README's
-list does not name: a test that does not run where CI runs proves nothing, and a skip in a
-summary nobody reads hides that.
+it lists every skipped test with its reason, and it fails the run on any skip that the list in
+`docs/development.md` (the test section the README points to) does not name: a test that does
+not run where CI runs proves nothing, and a skip in a summary nobody reads hides that.
 
-The list is the fenced block after the `<!-- allowed-skips -->` line in the README: one
-`node id | reason` line per allowed skip (`#` starts a comment). A node id without a `[...]`
-parameter part allows every parametrization of that test.
+The list is the fenced block after the `<!-- allowed-skips -->` line: one `node id | reason`
+line per allowed skip (`#` starts a comment). A node id without a `[...]` parameter part allows
+every parametrization of that test.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "development.md"
 MARKER = "<!-- allowed-skips -->"
 
 
 def allowed_skips(text: str) -> dict[str, str]:
-    """node id -> reason, from the fenced block after MARKER in `text` (a README)."""
+    """node id -> reason, from the fenced block after MARKER in `text` (a Markdown page)."""
     if MARKER not in text:
-        raise ValueError(f"README: no {MARKER} line followed by the fenced list of allowed skips")
+        raise ValueError(f"no {MARKER} line followed by the fenced list of allowed skips")
     lines = text.split(MARKER, 1)[1].lstrip("\n").splitlines()
     if not lines or not lines[0].startswith("```"):
-        raise ValueError(f"README: {MARKER} must be followed by a fenced block")
+        raise ValueError(f"{MARKER} must be followed by a fenced block")
     out: dict[str, str] = {}
     for line in lines[1:]:
         line = line.strip()
@@ -36,9 +36,9 @@ def allowed_skips(text: str) -> dict[str, str]:
             continue
         node, _, reason = (part.strip() for part in line.partition("|"))
         if not node or not reason:
-            raise ValueError(f"README allowed skips: {line!r} is not 'node id | reason'")
+            raise ValueError(f"allowed skips: {line!r} is not 'node id | reason'")
         out[node] = reason
-    raise ValueError(f"README: the fenced block after {MARKER} is not closed")
+    raise ValueError(f"the fenced block after {MARKER} is not closed")
 
 
 def is_listed(node: str, allowed: dict[str, str]) -> bool:
@@ -78,14 +78,15 @@ class SkipPolicy:
             verdict = "allowed" if is_listed(node, self.allowed) else "NOT ALLOWED"
             tr.line(f"{verdict:<12}{node}: {reason}")
         if self.unlisted():
-            tr.line(f"{len(self.unlisted())} skip(s) not in the README's allowed-skips list: "
-                    "the run fails (make the test run here, or list it with its reason)",
+            tr.line(f"{len(self.unlisted())} skip(s) not in the allowed-skips list of "
+                    "docs/development.md: the run fails (make the test run here, or list it "
+                    "with its reason)",
                     red=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--allowed-skips", default=str(README),
-                     help="the Markdown file whose allowed-skips list applies (the README)")
+    parser.addoption("--allowed-skips", default=str(DOC),
+                     help="the Markdown page whose allowed-skips list applies")
 
 
 def pytest_configure(config: pytest.Config) -> None:

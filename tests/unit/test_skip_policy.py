@@ -1,5 +1,5 @@
-"""The skip policy `scripts/test.sh` applies: a skip the README does not list fails the run,
-and every skip is printed with its reason."""
+"""The skip policy `scripts/test.sh` applies: a skip that `docs/development.md` does not list
+fails the run, and every skip is printed with its reason."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.skip_policy import MARKER, README, allowed_skips
+from tests.skip_policy import DOC, MARKER, allowed_skips
 
 ROOT = Path(__file__).resolve().parents[2]
 LIST = f"{MARKER}\n```text\n# node id | reason\n{{}}```\n"
 
 
-def test_the_readme_list_parses_and_names_existing_tests():
-    for node, reason in allowed_skips(README.read_text()).items():
+def test_the_docs_list_parses_and_names_existing_tests():
+    for node, reason in allowed_skips(DOC.read_text()).items():
         assert reason and (ROOT / node.split("::", 1)[0]).is_file(), node
 
 
@@ -39,11 +39,11 @@ def run_pytest(tmp_path: Path, listed: str) -> subprocess.CompletedProcess:
         "def test_runs():\n    pass\n\n"
         "@pytest.mark.parametrize('p', [1, 2])\n"
         "def test_skips(p):\n    pytest.skip('no widget here')\n")
-    (tmp_path / "README.md").write_text("# readme\n\n" + LIST.format(listed))
+    (tmp_path / "dev.md").write_text("# development\n\n" + LIST.format(listed))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.skip_policy",
-         "--allowed-skips", str(tmp_path / "README.md"), "-q", "test_s.py"],
+         "--allowed-skips", str(tmp_path / "dev.md"), "-q", "test_s.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -51,7 +51,7 @@ def test_an_unlisted_skip_fails_the_run_and_is_printed(tmp_path):
     r = run_pytest(tmp_path, "test_s.py::test_other | another test\n")
     assert r.returncode == 1, r.stdout
     assert "NOT ALLOWED test_s.py::test_skips[1]: no widget here" in r.stdout
-    assert "2 skip(s) not in the README's allowed-skips list" in r.stdout
+    assert "2 skip(s) not in the allowed-skips list" in r.stdout
 
 
 def test_a_listed_skip_passes_and_is_printed(tmp_path):
