@@ -39,7 +39,14 @@ from typing import Any
 
 from bench.engine import make_prompts, stream_ttft
 from devkit.local_cluster import HOST, MooncakeMaster, StoreNode
-from devkit.vllm_server import BLOCK_SIZE, REPO, VllmServer, connector_kv_config, metric_sum
+from devkit.vllm_server import (
+    BLOCK_SIZE,
+    REPO,
+    SERVING_DTYPE,
+    VllmServer,
+    connector_kv_config,
+    metric_sum,
+)
 
 CASES = ("disk", "memory", "recompute")
 TIER_TOKENS = "vllm:mooncake_pool_load_tier_tokens_total"
@@ -139,7 +146,8 @@ def run(rounds: int, segment_mb: int, layers: int, hidden: int, prompt_tokens: i
         extra = master.store_config(global_segment_size=0, local_buffer_size="256MB",
                                     enable_offload=True, cache_prefix="disk-bench")
         server = VllmServer(model, connector_kv_config(extra), max_model_len=2048,
-                            log_path=str(work / "vllm.log")).start(timeout=600)
+                            dtype=SERVING_DTYPE, log_path=str(work / "vllm.log"))
+        server.start(timeout=600)
         bench = Bench(server, master)
         warm = make_prompts(1, 4 * BLOCK_SIZE + 1, seed=999)[0]
         bench.timed(warm)
@@ -209,7 +217,7 @@ def run(rounds: int, segment_mb: int, layers: int, hidden: int, prompt_tokens: i
                           "loadavg_end": load_end},
                  "quiet": False, "command": "python -m bench.disk_tier"},
         "setup": {"model": {"layers": layers, "hidden": hidden, "kv_heads": 2,
-                            "dtype": "bfloat16",
+                            "dtype": SERVING_DTYPE,
                             "kv_bytes_per_block": layers * 2 * BLOCK_SIZE * 2 * (hidden // 4) * 2},
                   "prompt_tokens": prompt_tokens, "blocks_per_hit": blocks,
                   "memory_segment_mb": segment_mb, "lease_ms": LEASE_MS, "rounds": rounds},

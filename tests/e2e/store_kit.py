@@ -9,7 +9,6 @@ from typing import Any
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum
 
 PREFIX = "vllm:mooncake_pool_"
-FLOAT32 = ("--dtype", "float32")  # outputs are compared exactly only in float32 (GUIDE.md)
 
 
 def by_name(role: str = "kv_both", **extra: Any) -> dict[str, Any]:

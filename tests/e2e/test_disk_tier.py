@@ -27,7 +27,6 @@ from devkit.vllm_server import (
     parse_metrics,
 )
 from tests.e2e.store_kit import (
-    FLOAT32,
     PREFIX,
     empty_targets,
     peak,
@@ -50,7 +49,7 @@ LEASE = ("--default_kv_lease_ttl=500",)
 
 @pytest.fixture(scope="module")
 def reference(tiny_model) -> list[list[int]]:
-    server = VllmServer(tiny_model, extra_args=FLOAT32).start()
+    server = VllmServer(tiny_model).start()
     try:
         return [server.complete(p) for p in PROMPTS]
     finally:
@@ -66,7 +65,7 @@ def run(tiny_model, master: MooncakeMaster, offload: bool, prom_dir=None):
     (outputs of both passes, the second pass's metric deltas, panels of the Disk tier row)."""
     extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
                                 cache_prefix="disk", enable_offload=offload)
-    server = VllmServer(tiny_model, connector_kv_config(extra), extra_args=FLOAT32)
+    server = VllmServer(tiny_model, connector_kv_config(extra))
     prom = None
     if prom_dir is not None:
         prom = LocalPrometheus({

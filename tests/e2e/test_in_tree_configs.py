@@ -24,7 +24,6 @@ from devkit.local_cluster import MooncakeMaster, StoreNode
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum
 from tests.conftest import by_name_env
 from tests.e2e.store_kit import (
-    FLOAT32,
     PREFIX,
     by_name,
     saved_blocks,
@@ -69,8 +68,7 @@ def prompts(seed: int, n: int = 4) -> list[list[int]]:
 def engine(tiny_model, site, tmp_path, name, mooncake_json, kv_config, **env) -> VllmServer:
     path = Path(tmp_path) / f"{name}.json"
     path.write_text(json.dumps(mooncake_json))
-    return VllmServer(tiny_model, kv_config, extra_args=FLOAT32,
-                      log_path=str(Path(tmp_path) / f"{name}.log"),
+    return VllmServer(tiny_model, kv_config, log_path=str(Path(tmp_path) / f"{name}.log"),
                       env={**by_name_env(site), "MOONCAKE_CONFIG_PATH": str(path), **env})
 
 

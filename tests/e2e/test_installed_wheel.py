@@ -15,7 +15,6 @@ from devkit.processes import spawn, wait_http
 from devkit.vllm_server import VllmServer, metric_sum
 from tests.conftest import engine_extra
 from tests.e2e.store_kit import (
-    FLOAT32,
     PREFIX,
     by_name,
     saved_blocks,
@@ -58,8 +57,7 @@ def test_connector_by_name_from_the_installed_wheel(tiny_model, master, store_no
     assert probe[0].startswith(connector_site), probe
     assert "connector.plugin:register" in probe[1], probe
 
-    server = WheelServer(tiny_model, by_name(**engine_extra(master, cache_prefix="wheel")),
-                         extra_args=FLOAT32)
+    server = WheelServer(tiny_model, by_name(**engine_extra(master, cache_prefix="wheel")))
     server.site, server.workdir = connector_site, str(tmp_path)
     server.start()
     try:

@@ -6,7 +6,7 @@ in both orders, in real `vllm serve`:
   server; and placed second, this connector got the other member's handshake metadata and
   refused to start, "different KV layouts ['None']");
 - a fresh engine's prompts hit the store, with the outputs of an engine without the connector
-  (float32);
+  (float32, conftest's reference_outputs);
 - this connector's metrics are on /metrics.
 One engine loads the connector by module path with vLLM's plugins off (VLLM_PLUGINS=""), the
 fresh ones by name through the installed wheel's entry point.
@@ -18,18 +18,9 @@ import pytest
 
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum
 from tests.conftest import by_name_env, engine_extra
-from tests.e2e.store_kit import FLOAT32, PREFIX, saved_blocks, serve, store_hits, wait_for_saves
+from tests.e2e.store_kit import PREFIX, saved_blocks, serve, store_hits, wait_for_saves
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model, prompts) -> list[list[int]]:
-    server = VllmServer(tiny_model, extra_args=FLOAT32).start()
-    try:
-        return [server.complete(p) for p in prompts]
-    finally:
-        server.stop()
 
 
 def example(path) -> dict:
@@ -53,16 +44,16 @@ def multi(*members: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def filled(tiny_model, master, store_node, prompts, reference, tmp_path_factory) -> None:
+def filled(tiny_model, master, store_node, prompts, reference_outputs, tmp_path_factory) -> None:
     """An engine with this connector second, loaded by module path with no vLLM plugin, stores
     the prompts."""
     path = tmp_path_factory.mktemp("example-fill")
     server = VllmServer(tiny_model, multi(example(path), ours(master, by_module=True)),
-                        extra_args=FLOAT32, env={"VLLM_PLUGINS": ""}).start()
+                        env={"VLLM_PLUGINS": ""}).start()
     try:
         outputs, _ = serve(server, prompts)
         wait_for_saves(server, saved_blocks(prompts))
-        assert outputs == reference
+        assert outputs == reference_outputs
         assert server.proc.poll() is None
     finally:
         server.stop()
@@ -70,20 +61,19 @@ def filled(tiny_model, master, store_node, prompts, reference, tmp_path_factory)
 
 @pytest.mark.parametrize("order", ["ours-first", "ours-second"])
 def test_fresh_engine_in_multiconnector_hits_the_store(order, tiny_model, master, filled,
-                                                       prompts, reference, connector_site,
+                                                       prompts, reference_outputs, connector_site,
                                                        tmp_path):
     members = [ours(master), example(tmp_path / "example")]  # an empty ExampleConnector
     if order == "ours-second":
         members.reverse()
-    server = VllmServer(tiny_model, multi(*members), extra_args=FLOAT32,
-                        env=by_name_env(connector_site)).start()
+    server = VllmServer(tiny_model, multi(*members), env=by_name_env(connector_site)).start()
     try:
         outputs, delta = serve(server, prompts)
         again, _ = serve(server, prompts[:1])  # the engine still serves
         metrics = server.metrics()
     finally:
         server.stop()
-    assert outputs == reference and again == reference[:1]
+    assert outputs == reference_outputs and again == reference_outputs[:1]
     # Every block looked up was in the store, and vLLM took the prefixes from it.
     assert metric_sum(delta, PREFIX + "lookup_miss_tokens_total") == 0
     assert metric_sum(delta, PREFIX + "lookup_hit_tokens_total") >= \

@@ -29,7 +29,6 @@ from devkit.vllm_server import (
     parse_metrics,
 )
 from tests.e2e.store_kit import (
-    FLOAT32,
     PREFIX,
     empty_targets,
     peak,
@@ -71,7 +70,7 @@ def tenant_node(tenant_master):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
-    server = VllmServer(tiny_model, extra_args=FLOAT32).start()
+    server = VllmServer(tiny_model).start()
     try:
         return {tuple(p): server.complete(p) for p in HOT_PROMPTS + FLOOD_PROMPTS}
     finally:
@@ -81,7 +80,7 @@ def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
 def tenant_engine(tiny_model, master, tenant: str) -> VllmServer:
     extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
                                 tenant_id=tenant, cache_prefix="tenants")
-    return VllmServer(tiny_model, connector_kv_config(extra), extra_args=FLOAT32)
+    return VllmServer(tiny_model, connector_kv_config(extra))
 
 
 def hit_rate(delta: dict[str, float], tenant: str) -> float:
