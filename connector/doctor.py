@@ -21,12 +21,20 @@ import os
 import socket
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from connector.config import CONFIG_PATH_ENV, EXTRA, ConfigError, ConnectorConfig, load_config
+from connector.config import (
+    CONFIG_PATH_ENV,
+    DEFAULT_TENANT,
+    EXTRA,
+    ConfigError,
+    ConnectorConfig,
+    load_config,
+)
 from connector.store import (
     ERROR_NAMES,
     StoreUnavailable,
@@ -157,6 +165,76 @@ def check_protocol(ctx: Context) -> str:
     return f"{want}, as every mounted segment"
 
 
+def _admin(ctx: Context, path: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body) of a GET on the master's admin port."""
+    host = ctx.master.rsplit(":", 1)[0]
+    url = f"http://{host}:{ctx.metrics_port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=ctx.wait) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    except (OSError, ValueError) as e:
+        raise CheckFailed(f"cannot read {url} ({e})", "pass --master-metrics-port with the "
+                          "master's --metrics_port, and let this host reach it") from None
+
+
+def check_tenant(ctx: Context) -> str:
+    """The config's tenant on the master: in its quota policy, with room to write."""
+    tenant = ctx.cfg.store.tenant_id
+    status, body = _admin(ctx, f"/api/v1/tenant_quotas?tenant_id={tenant}")
+    if status == 409:  # UNAVAILABLE_IN_CURRENT_MODE
+        return (f"tenant {tenant!r}: a key namespace only (master {ctx.master} is not in "
+                "multi-tenant mode, so no quota applies)")
+    if status == 404:
+        raise CheckFailed(f"tenant {tenant!r} is not in the quota policy of master "
+                          f"{ctx.master}: every put of it is refused (-1701)",
+                          "add it to the master's policy (the --tenant_quota_connector_uri "
+                          f"file, or PUT /api/v1/tenant_quotas?tenant_id={tenant}), or set "
+                          "tenant_id to a tenant the policy lists")
+    q = body.get("data") or {}
+    if status != 200 or not q:
+        raise CheckFailed(f"the master answered {status} {body} for tenant {tenant!r}",
+                          "check the master log")
+    if q.get("admission_closed"):
+        raise CheckFailed(f"tenant {tenant!r}: admission closed on master {ctx.master} (its "
+                          "puts are refused)", "restore the tenant's policy on the master")
+    return (f"tenant {tenant!r}: {_size(q['charged_bytes'])} used of a "
+            f"{_size(q['effective_quota_bytes'])} quota ({_size(q['requested_quota_bytes'])} "
+            "in the policy, scaled to the pool)")
+
+
+def check_disk_tier(ctx: Context) -> str:
+    """enable_offload needs a store node with a disk tier mounted on the master."""
+    text = _master_metrics(ctx)
+    cap = _sample(text, "master_total_file_capacity_bytes")
+    used = _sample(text, "master_allocated_file_size_bytes")
+    if not cap:
+        raise CheckFailed(f"enable_offload is set, but no store node has a disk tier mounted "
+                          f"on master {ctx.master} (master_total_file_capacity_bytes 0)",
+                          "run the master and the store nodes with --enable_offload=true (the "
+                          "store nodes with MOONCAKE_OFFLOAD_FILE_STORAGE_PATH on a local "
+                          "disk), or remove enable_offload")
+    return f"disk tier mounted: {_size(used)} on disk of {_size(cap)}"
+
+
+def _master_metrics(ctx: Context) -> str:
+    host = ctx.master.rsplit(":", 1)[0]
+    url = f"http://{host}:{ctx.metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=ctx.wait) as r:
+            return r.read().decode()
+    except OSError as e:
+        raise CheckFailed(f"cannot read {url} ({e})", "pass --master-metrics-port with the "
+                          "master's --metrics_port, and let this host reach it") from None
+
+
+def _sample(text: str, family: str) -> float:
+    """Sum of a family's samples in a Prometheus exposition (0 when absent)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((family + " ", family + "{")))
+
+
 def _put_problem(rc: int, ctx: Context) -> CheckFailed:
     cap = sum(s["allocator_capacity_bytes"] for s in ctx.segments)
     used = sum(s["allocator_used_bytes"] for s in ctx.segments)
@@ -168,6 +246,13 @@ def _put_problem(rc: int, ctx: Context) -> CheckFailed:
                            "add store nodes or raise their global_segment_size; check the "
                            "master's eviction (--eviction_high_watermark_ratio, "
                            "--default_kv_lease_ttl)")
+    tenant = ctx.cfg.store.tenant_id
+    if rc == -1701:
+        return CheckFailed(f"{what}: tenant {tenant!r} is not in the master's quota policy",
+                           f"add {tenant!r} to the policy, or set tenant_id to a listed tenant")
+    if rc == -1700:
+        return CheckFailed(f"{what}: tenant {tenant!r} is at its quota and nothing of it is "
+                           "evictable", "raise the tenant's quota, or add pool memory")
     if rc == -200:
         return CheckFailed(f"{what}: no segment can take it (replica_num "
                            f"{ctx.cfg.store.replica_num}, {len(ctx.segments)} segment(s))",
@@ -208,6 +293,10 @@ CHECKS: list[Check] = [
     Check("master", check_master, needs=("config",)),
     Check("segments", check_segments, needs=("master",)),
     Check("protocol", check_protocol, needs=("segments",)),
+    Check("tenant", check_tenant, needs=("master",),
+          applies=lambda ctx: ctx.cfg.store.tenant_id != DEFAULT_TENANT),
+    Check("disk tier", check_disk_tier, needs=("master",),
+          applies=lambda ctx: ctx.cfg.enable_offload),
     Check("round trip", check_round_trip, needs=("master",)),
 ]
 

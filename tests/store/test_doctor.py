@@ -22,6 +22,7 @@ from devkit.processes import HOST
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_NAMES = ("config", "master", "segments", "protocol", "round trip")
+OPTIONAL_CHECKS = ("tenant", "disk tier")  # only when the config names a tenant, a disk tier
 
 
 def doctor(master, tmp_path: Path, *args: str, metrics_port: int | None = None,
@@ -41,7 +42,7 @@ def doctor(master, tmp_path: Path, *args: str, metrics_port: int | None = None,
     lines = {}
     for line in r.stdout.splitlines():
         status, rest = line[:4], line[5:]
-        name = next(n for n in CHECK_NAMES if rest.startswith(n))
+        name = next(n for n in CHECK_NAMES + OPTIONAL_CHECKS if rest.startswith(n))
         lines[name] = f"{status} {rest[len(name):].strip()}"
     assert lines, f"no output (rc {r.returncode}):\n{r.stdout}\n{r.stderr[-3000:]}"
     return r.returncode, lines
@@ -223,3 +224,51 @@ def test_bad_config_fails_the_config_line_only(tmp_path):
     assert lines["config"].startswith("FAIL kv_connector_extra_config.load_threads: must be "
                                       "1..64, got 0")
     assert lines["master"].startswith("SKIP")
+
+
+@pytest.fixture(scope="module")
+def tenant_pool(tmp_path_factory):
+    """A multi-tenant master (tenant "a" in its policy) with a disk tier on its store node."""
+    master = MooncakeMaster(tenants={"a": "16MB"}, offload=True).start()
+    node = StoreNode(master, segment_size="64MB",
+                     offload_path=str(tmp_path_factory.mktemp("offload"))).start()
+    yield master
+    node.stop()
+    master.stop()
+
+
+def test_tenant_in_the_policy_with_its_quota(tenant_pool, tmp_path):
+    rc, lines = doctor(tenant_pool, tmp_path, tenant_id="a")
+    assert rc == 0, lines
+    assert lines["tenant"].startswith("PASS") and "of a 16.0 MiB quota" in lines["tenant"]
+    assert lines["round trip"].startswith("PASS")
+
+
+def test_tenant_missing_from_the_policy(tenant_pool, tmp_path):
+    rc, lines = doctor(tenant_pool, tmp_path, tenant_id="b")
+    assert rc == 1
+    assert lines["tenant"] == (
+        "FAIL tenant 'b' is not in the quota policy of master "
+        f"{tenant_pool.address}: every put of it is refused (-1701); fix: add it to the "
+        "master's policy (the --tenant_quota_connector_uri file, or PUT "
+        "/api/v1/tenant_quotas?tenant_id=b), or set tenant_id to a tenant the policy lists")
+    assert "-1701 TENANT_NOT_REGISTERED: tenant 'b' is not in the master's quota policy" in \
+        lines["round trip"]  # the put itself confirms it
+    # The default tenant is not special: unlisted, it cannot write either.
+    rc, lines = doctor(tenant_pool, tmp_path)
+    assert rc == 1 and "tenant" not in lines and "-1701" in lines["round trip"]
+
+
+def test_tenant_on_a_master_without_tenants(pool, tmp_path):
+    rc, lines = doctor(pool[0], tmp_path, tenant_id="a")
+    assert rc == 0 and "a key namespace only" in lines["tenant"], lines
+
+
+def test_disk_tier_mounted_or_missing(tenant_pool, pool, tmp_path):
+    rc, lines = doctor(tenant_pool, tmp_path, tenant_id="a", enable_offload=True)
+    assert rc == 0 and lines["disk tier"].startswith("PASS disk tier mounted"), lines
+    rc, lines = doctor(pool[0], tmp_path, enable_offload=True)
+    assert rc == 1 and lines["disk tier"].startswith(
+        "FAIL enable_offload is set, but no store node has a disk tier mounted"), lines
+    assert "disk tier" not in doctor(pool[0], tmp_path)[1]  # not asked for: not checked
+
