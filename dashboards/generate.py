@@ -316,8 +316,8 @@ def tenants_row() -> Row:
         P("Quota rejects per tenant (master)", "ops", (
             (f"sum by (tenant_id, reason) (rate({master('mooncake_tenant_quota_reject_total')}"
              f"[$__rate_interval]))", "{{tenant_id}} {{reason}}"),
-        ), "Writes the master refused per tenant and reason (quota_exceeded: the tenant's own "
-           "older blocks could not be evicted fast enough to make room).", min=0),
+        ), "Writes the master refused per tenant and reason (quota_exceeded: evicting the "
+           "tenant's own older, unleased blocks could not make room).", min=0),
         P("Evicted to make room, per tenant (master)", "Bps", (
             by_tenant("mooncake_tenant_evict_bytes_total", "{{tenant_id}}"),
         ), "Bytes per second of a tenant's own blocks the master evicted to admit its new "

@@ -40,18 +40,18 @@ from tests.e2e.store_kit import (
 
 pytestmark = pytest.mark.timeout(1800)
 
-BLOCKS = 8  # full blocks per prompt
-FLOOD_QUOTA = "1MB"  # 32 blocks of 32 KiB (float32): the flood writes six times that
+FLOOD_QUOTA = "1MB"  # 32 blocks of 32 KiB (float32)
 HOT, FLOOD = "hot", "flood"
-LEASE_S = 10  # the master's --default_kv_lease_ttl (its default)
 
 
-def make(seed: int, n: int) -> list[list[int]]:
+def make(seed: int, n: int, blocks: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(BLOCKS * BLOCK_SIZE + 5)] for _ in range(n)]
+    return [[rng.randrange(3, 1000) for _ in range(blocks * BLOCK_SIZE + 5)] for _ in range(n)]
 
 
-HOT_PROMPTS, FLOOD_PROMPTS = make(1, 4), make(2, 24)
+# The hot tenant's prefixes: 32 blocks in all. The flood: 12 prompts of 40 blocks, 15 MB against
+# its 1 MB quota; each prompt's save (one put of 40 blocks) is larger than the whole quota.
+HOT_PROMPTS, FLOOD_PROMPTS = make(1, 4, 8), make(2, 12, 40)
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +110,10 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
         before_out, before = serve(hot, HOT_PROMPTS)
         rate_before = hit_rate(before, HOT)
 
-        # The flood: 24 prompts of 8 blocks (6 MB) against a 1 MB quota, 8 at a time, twice,
-        # while the master's charge for the tenant is sampled. A block is leased (not
-        # evictable) for 10 s after its last use, so the first pass meets a full quota of leased
-        # blocks (its overflow is rejected) and the second, after the leases ran out, a full
-        # quota of evictable ones (the master evicts the tenant's own older blocks).
+        # The flood, 4 prompts at a time, twice, while the master's charge for the tenant is
+        # sampled. The master admits each put within the quota by evicting the tenant's own
+        # older blocks, and rejects what no eviction can make room for: the part of a 40-block
+        # put beyond the 32-block quota.
         flood.start()
         over: list[tuple[float, float]] = []
         done = threading.Event()
@@ -130,10 +129,9 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            with ThreadPoolExecutor(8) as pool:
+            with ThreadPoolExecutor(4) as pool:
                 flood.reset_prefix_cache()
                 flood_first = list(pool.map(flood.complete, FLOOD_PROMPTS))
-                time.sleep(LEASE_S + 1)
                 flood.reset_prefix_cache()  # the second pass loads what the quota kept
                 flood_second = list(pool.map(flood.complete, FLOOD_PROMPTS))
         finally:
