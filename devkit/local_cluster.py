@@ -182,7 +182,8 @@ class StoreNode:
             "--local_buffer_size=16MB",
         ]
         env = {**os.environ, **self.env}
-        if self.offload_path:
+        if self.offload_path:  # Mooncake refuses a directory that does not exist
+            Path(self.offload_path).mkdir(parents=True, exist_ok=True)
             args.append("--enable_offload=true")
             env = {**os.environ, **DEV_OFFLOAD_ENV,
                    "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": self.offload_path, **self.env}

@@ -39,8 +39,10 @@ from tests.e2e.store_kit import (
 
 pytestmark = pytest.mark.timeout(1800)
 
-BLOCKS = 8  # full blocks per prompt; a float32 block of the tiny model is 32 KiB
-SEGMENT = "4MB"  # 128 blocks in memory
+BLOCKS = 8  # full blocks per prompt
+LAYERS = 8  # a float32 block of this model is 128 KiB (Mooncake's smallest segment is 16 MB)
+BLOCK_BYTES = LAYERS * 2 * 2 * 32 * BLOCK_SIZE * 4  # K and V, 2 KV heads of 32, float32
+SEGMENT = "16MB"  # 128 blocks in memory
 PROMPTS = [[random.Random(i).randrange(3, 1000) for _ in range(BLOCKS * BLOCK_SIZE + 5)]
            for i in range(48)]  # 384 blocks: three times the memory
 LOOKED_UP = len(PROMPTS) * BLOCKS * BLOCK_SIZE  # tokens the second pass looks up
@@ -48,8 +50,15 @@ LEASE = ("--default_kv_lease_ttl=500",)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model) -> list[list[int]]:
-    server = VllmServer(tiny_model).start()
+def deep_model(tmp_path_factory) -> str:
+    from devkit.tiny_model import make_tiny_llama
+
+    return str(make_tiny_llama(tmp_path_factory.mktemp("deep-llama"), layers=LAYERS))
+
+
+@pytest.fixture(scope="module")
+def reference(deep_model) -> list[list[int]]:
+    server = VllmServer(deep_model).start()
     try:
         return [server.complete(p) for p in PROMPTS]
     finally:
@@ -60,12 +69,12 @@ def disk_objects(master: MooncakeMaster) -> float:
     return metric_sum(parse_metrics(master.metrics_text()), "file_cache_nums_")
 
 
-def run(tiny_model, master: MooncakeMaster, offload: bool, prom_dir=None):
+def run(model, master: MooncakeMaster, offload: bool, prom_dir=None):
     """Fill the store with every prompt, then serve them all again from a reset local cache:
     (outputs of both passes, the second pass's metric deltas, panels of the Disk tier row)."""
     extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
                                 cache_prefix="disk", enable_offload=offload)
-    server = VllmServer(tiny_model, connector_kv_config(extra))
+    server = VllmServer(model, connector_kv_config(extra))
     prom = None
     if prom_dir is not None:
         prom = LocalPrometheus({
@@ -93,13 +102,13 @@ def run(tiny_model, master: MooncakeMaster, offload: bool, prom_dir=None):
             prom.stop()
 
 
-def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(tiny_model, reference,
+def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(deep_model, reference,
                                                                tmp_path):
     m = MooncakeMaster(offload=True, extra_args=LEASE).start()
     try:
         node = StoreNode(m, segment_size=SEGMENT, offload_path=str(tmp_path / "offload")).start()
         try:
-            first, second, delta, panels = run(tiny_model, m, True, tmp_path)
+            first, second, delta, panels = run(deep_model, m, True, tmp_path)
         finally:
             node.stop()
     finally:
@@ -108,7 +117,7 @@ def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(tiny_model, refe
     try:
         node = StoreNode(plain, segment_size=SEGMENT).start()
         try:
-            p_first, p_second, p_delta, _ = run(tiny_model, plain, False)
+            p_first, p_second, p_delta, _ = run(deep_model, plain, False)
         finally:
             node.stop()
     finally:
@@ -127,7 +136,7 @@ def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(tiny_model, refe
     assert tier["disk"] > with_tier / 2 and tier["memory"] > 0, tier
     assert sum(tier.values()) == with_tier  # every loaded token is attributed to a tier
     assert metric_sum(delta, PREFIX + "load_tier_bytes_total", tier="disk") == \
-        tier["disk"] // BLOCK_SIZE * 32768
+        tier["disk"] // BLOCK_SIZE * BLOCK_BYTES
     assert metric_sum(delta, PREFIX + "load_jobs_total", status="error") == 0
     assert metric_sum(p_delta, PREFIX + "load_tier_tokens_total") == 0  # no tier, no series
     # The Disk tier row of "Mooncake pool / Load pipeline", from a real Prometheus.
