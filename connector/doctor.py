@@ -165,16 +165,16 @@ def check_protocol(ctx: Context) -> str:
     return f"{want}, as every mounted segment"
 
 
-def _admin(ctx: Context, path: str) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, JSON body) of a GET on the master's admin port."""
+def _admin(ctx: Context, path: str) -> tuple[int, bytes]:
+    """(HTTP status, body) of a GET on the master's admin port (an HTTP error is an answer)."""
     host = ctx.master.rsplit(":", 1)[0]
     url = f"http://{host}:{ctx.metrics_port}{path}"
     try:
         with urllib.request.urlopen(url, timeout=ctx.wait) as r:
-            return r.status, json.loads(r.read())
+            return r.status, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-    except (OSError, ValueError) as e:
+        return e.code, e.read()
+    except OSError as e:
         raise CheckFailed(f"cannot read {url} ({e})", "pass --master-metrics-port with the "
                           "master's --metrics_port, and let this host reach it") from None
 
@@ -182,7 +182,11 @@ def _admin(ctx: Context, path: str) -> tuple[int, dict[str, Any]]:
 def check_tenant(ctx: Context) -> str:
     """The config's tenant on the master: in its quota policy, with room to write."""
     tenant = ctx.cfg.store.tenant_id
-    status, body = _admin(ctx, f"/api/v1/tenant_quotas?tenant_id={tenant}")
+    status, raw = _admin(ctx, f"/api/v1/tenant_quotas?tenant_id={tenant}")
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        body = {}
     if status == 409:  # UNAVAILABLE_IN_CURRENT_MODE
         return (f"tenant {tenant!r}: a key namespace only (master {ctx.master} is not in "
                 "multi-tenant mode, so no quota applies)")
@@ -206,7 +210,7 @@ def check_tenant(ctx: Context) -> str:
 
 def check_disk_tier(ctx: Context) -> str:
     """enable_offload needs a store node with a disk tier mounted on the master."""
-    text = _master_metrics(ctx)
+    text = _admin(ctx, "/metrics")[1].decode()
     cap = _sample(text, "master_total_file_capacity_bytes")
     used = _sample(text, "master_allocated_file_size_bytes")
     if not cap:
@@ -216,17 +220,6 @@ def check_disk_tier(ctx: Context) -> str:
                           "store nodes with MOONCAKE_OFFLOAD_FILE_STORAGE_PATH on a local "
                           "disk), or remove enable_offload")
     return f"disk tier mounted: {_size(used)} on disk of {_size(cap)}"
-
-
-def _master_metrics(ctx: Context) -> str:
-    host = ctx.master.rsplit(":", 1)[0]
-    url = f"http://{host}:{ctx.metrics_port}/metrics"
-    try:
-        with urllib.request.urlopen(url, timeout=ctx.wait) as r:
-            return r.read().decode()
-    except OSError as e:
-        raise CheckFailed(f"cannot read {url} ({e})", "pass --master-metrics-port with the "
-                          "master's --metrics_port, and let this host reach it") from None
 
 
 def _sample(text: str, family: str) -> float:

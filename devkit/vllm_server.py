@@ -123,6 +123,7 @@ class VllmServer:
     max_model_len: int = 2048
     dtype: str = EXACT_DTYPE  # benchmarks that compare no outputs may run bfloat16
     proc: subprocess.Popen | None = None
+    cwd: Path = REPO  # where vllm serve runs (outside the checkout to test an installed wheel)
 
     @property
     def url(self) -> str:
@@ -142,7 +143,7 @@ class VllmServer:
     def start(self, timeout: float = 240.0) -> VllmServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **self.env}
-        self.proc = spawn(self.command(), self.log_path, env=env, cwd=REPO)
+        self.proc = spawn(self.command(), self.log_path, env=env, cwd=self.cwd)
         try:
             wait_http(self.url + "/health", self.proc, "vllm serve", timeout)
         except (RuntimeError, TimeoutError) as e:

@@ -11,31 +11,11 @@ import sys
 
 import pytest
 
-from devkit.processes import spawn, wait_http
 from devkit.vllm_server import VllmServer, metric_sum
 from tests.conftest import engine_extra
 from tests.e2e.store_kit import PREFIX, by_name, serve, store_hits
 
 pytestmark = pytest.mark.timeout(900)
-
-
-class WheelServer(VllmServer):
-    """A `vllm serve` whose only connector code is the installed wheel: PYTHONPATH is the
-    wheel's directory and the working directory is outside the checkout."""
-
-    site: str = ""
-    workdir: str = ""
-
-    def start(self, timeout: float = 240.0) -> WheelServer:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "PYTHONPATH": self.site}
-        self.proc = spawn(self.command(), self.log_path, env=env, cwd=self.workdir)
-        try:
-            wait_http(self.url + "/health", self.proc, "vllm serve", timeout)
-        except (RuntimeError, TimeoutError) as e:
-            self.stop()
-            raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
-        return self
 
 
 def test_connector_by_name_from_the_installed_wheel(tiny_model, master, store_node, prompts,
@@ -50,9 +30,9 @@ def test_connector_by_name_from_the_installed_wheel(tiny_model, master, store_no
     assert probe[0].startswith(connector_site), probe
     assert "connector.plugin:register" in probe[1], probe
 
-    server = WheelServer(tiny_model, by_name(**engine_extra(master, cache_prefix="wheel")))
-    server.site, server.workdir = connector_site, str(tmp_path)
-    server.start()
+    # The wheel's directory is the whole PYTHONPATH, and vllm serve runs outside the checkout.
+    server = VllmServer(tiny_model, by_name(**engine_extra(master, cache_prefix="wheel")),
+                        env={"PYTHONPATH": connector_site}, cwd=tmp_path).start()
     try:
         first, _ = serve(server, prompts)
         second, delta = serve(server, prompts)  # its reset waits for the saves
