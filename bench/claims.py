@@ -396,11 +396,13 @@ def docs_disk_tier(r: Runs) -> str:
                                    "measured side by side in each round, hold better than the "
                                    "absolute times.")
     return f"""
-Run of {m['date']} (commit {m['commit']}, {s['rounds']} rounds, {m['wall_s']} s; load average
-{m['host']['loadavg_start'][0]:.1f} at the start, {m['host']['loadavg_end'][0]:.1f} at the end,
-on {m['host']['cpus']} CPUs): a Llama with {model['layers']} layers, hidden {model['hidden']}
-({model['dtype']}), {s['prompt_tokens']}-token prompts, {s['blocks_per_hit']} blocks of
-{model['kv_bytes_per_block'] // 1024} KiB loaded per hit.{quiet}
+Run of {m['date']} (commit {m['commit']}, {s['rounds']} rounds timed in {m['wall_s']} s; load
+average {m['host']['loadavg_start'][0]:.1f} at the start, {m['host']['loadavg_end'][0]:.1f} at the
+end, on {m['host']['cpus']} CPUs): a Llama with {model['layers']} layers, hidden
+{model['hidden']} ({model['dtype']}), {s['prompt_tokens']}-token prompts, {s['blocks_per_hit']}
+blocks of {model['kv_bytes_per_block'] // 1024} KiB loaded per hit. The store node wrote its
+disk tier seconds before the reads, so they likely came from the OS page cache: a read from a
+cold disk adds the device's latency.{quiet}
 
 | case | TTFT p50 |
 |---|---|
