@@ -97,8 +97,9 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
         except Exception:  # noqa: BLE001 - not initialised (e.g. unit tests): derive it
             tp_rank = vllm_config.parallel_config.rank % tp_size
-        self.worker = MooncakeStoreWorker(self.config, self.keys, tp_rank,
-                                          kv_cache_config.num_blocks)
+        self.worker = MooncakeStoreWorker(
+            self.config, self.keys, tp_rank, kv_cache_config.num_blocks,
+            kv_on_host=getattr(vllm_config.device_config, "device_type", "cpu") == "cpu")
         from connector.sampling import TraceSampler
         from connector.tracing import SpanExporter, tracing_enabled
 

@@ -79,7 +79,7 @@ FAMILIES: tuple[Family, ...] = (
            "What bandwidth does each thread achieve?"),
     Family("load_keys", "counter", _T, "Store keys (one per block and TP rank) loaded.",
            "How many blocks does each thread move?"),
-    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error).",
+    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error); thread=\"queued\" counts jobs that expired before any thread took them.",
            "How is work spread across threads, and how much fails?"),
     Family("load_busy_seconds", "counter", _T, "Time a receive thread spent working on jobs; its rate is utilisation.",
            "Are threads saturated or idle?"),
@@ -120,7 +120,7 @@ FAMILIES: tuple[Family, ...] = (
            "Is the auto tuner healthy?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code"),
-           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (save given up at a preemption or deadline), unavailable (no client), other.",
+           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
     # Master outages and HA failovers, as this rank's store client rode through them.
     Family("master_failovers", "counter", _R, "HA master failovers this rank's store client rode through: its circuit breaker opened on an RPC failure and closed on a different leader.",
@@ -139,15 +139,14 @@ EXEMPLAR_LABELS = ("trace_id", "span_id")
 LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
 # (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
-# pools' watchdog, exception, abandoned, other).
+# pools' watchdog, exception, abandoned, short_read, other).
 _RPC = ("-900", "-901")
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     *(("load", c) for c in ("-704", "-600", "-800", *_RPC, "unavailable", "timeout",
-                            "shutdown", "exception", "other")),
+                            "shutdown", "exception", "other", "short_read")),
     *(("save", c) for c in ("-200", "-800", *_RPC, "unavailable", "timeout", "shutdown",
                             "exception", "abandoned", "other")),
     *(("save_exists", c) for c in _RPC),
-    *(("save_remove", c) for c in (*_RPC, "other")),
     *(("lookup", c) for c in (*_RPC, "unavailable", "exception")),
 )
 

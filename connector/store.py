@@ -46,8 +46,12 @@ ERROR_NAMES = {
 }
 # Label value for failures that are Python exceptions rather than store return codes.
 EXCEPTION_CODE = "exception"
-# Label value for a save given up on at a preemption (its blocks were reused under it).
+# Label value for a save dropped before it read its blocks: its request was preempted, or
+# finished while saves fail or hang.
 ABANDONED_CODE = "abandoned"
+# Label value for a get that returned fewer bytes than a block (a stored object of another
+# size under the key).
+SHORT_READ_CODE = "short_read"
 # Label values for jobs the pool's watchdog reported: past their deadline, or queued at close.
 TIMEOUT_CODE = "timeout"
 SHUTDOWN_CODE = "shutdown"

@@ -41,7 +41,7 @@ from typing import Any
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
 from connector import otlp_http
-from connector.events import LoadEvent, SaveEvent, Subscriber
+from connector.events import QUEUED_THREAD, LoadEvent, SaveEvent, Subscriber
 from connector.sampling import (
     DEFAULT_SAMPLE_RATIO,  # noqa: F401 - re-exported (bench)
     DEFAULT_SAMPLER,
@@ -290,7 +290,8 @@ class SpanExporter(Subscriber):
         if ev.lookup_sampled:
             phases.append(("master_lookup", ev.t_prepared, ev.t_lookup_end))
         phases.append(("transfer", ev.t_lookup_end, ev.t_end))
-        attrs = {"thread": ev.thread, "tp_rank": ev.tp_rank, "keys": ev.keys,
+        thread = QUEUED_THREAD if ev.thread is None else ev.thread
+        attrs = {"thread": thread, "tp_rank": ev.tp_rank, "keys": ev.keys,
                  "bytes": ev.nbytes, "status": "ok" if ev.ok else "error",
                  "error_code": ev.code, "failed_blocks": ev.failed_blocks,
                  "request_hash": ev.request_hash}

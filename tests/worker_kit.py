@@ -13,6 +13,7 @@ import torch
 from connector.config import load_config
 from connector.keys import KeyBuilder, Layout
 from connector.metadata import StepMetadata
+from connector.store import TIMEOUT_ENV
 from connector.worker import MooncakeStoreWorker
 
 NUM_BLOCKS = 64
@@ -32,8 +33,12 @@ def hashes(tag: str, n: int) -> tuple[bytes, ...]:
 
 
 @pytest.fixture
-def make_worker_on():
-    """Workers on CPU KV tensors against a given master; shut down after the test."""
+def make_worker_on(monkeypatch):
+    """Workers on CPU KV tensors against a given master; shut down after the test. Mooncake's
+    call timeouts are process-wide variables that the first worker to set them fixes: each
+    test starts without them, so its own workers' configs decide."""
+    for var in TIMEOUT_ENV:
+        monkeypatch.delenv(var, raising=False)
     workers: list[MooncakeStoreWorker] = []
 
     def make(master, threads: int = 4, heads: int = 2, caches=None, prefix: str = "unit",
@@ -53,7 +58,9 @@ def make_worker_on():
 
 def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 30.0
              ) -> tuple[set[str], set[int]]:
-    """Submit a step's loads and saves, then poll like vLLM until every request reports."""
+    """Submit a step's loads and saves, then poll like vLLM until every request reports. A
+    request's blocks are released once its saves have read them (a staged put may still be
+    running), so with saves it then also waits for the save thread to finish them."""
     worker.note_free_after(meta)
     worker.start_load(meta)
     worker.start_save(meta)
@@ -68,6 +75,9 @@ def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 3
         sending, recving = worker.get_finished()
         errors |= worker.get_load_errors()
         seen |= (sending or set()) | (recving or set())
+        time.sleep(0.005)
+    while meta.saves and not worker.save_pool.idle:
+        assert time.monotonic() < deadline, "saves never finished"
         time.sleep(0.005)
     time.sleep(0.02)
     late = worker.get_load_errors()
