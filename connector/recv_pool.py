@@ -203,14 +203,14 @@ class RecvPool(Generic[J]):
         pop them, e.g. while every slot is stuck)."""
         self._jobs = deque(t for t in self._jobs if t.state == QUEUED)
 
-    def _next(self, slot: int) -> Ticket[J] | None:
-        """The next job for this slot's thread (EXPIRED if its deadline passed in the queue:
-        it must not start), or None when the thread must exit."""
+    def _next(self, slot: int) -> tuple[Ticket[J] | None, bool]:
+        """The next job for this slot's thread, and whether its deadline passed in the queue
+        (then it is expired and must not start); (None, False) when the thread must exit."""
         me = threading.current_thread()
         with self._lock:
             while True:
                 if self._owner[slot] is not me or (self._closing and not self._jobs):
-                    return None
+                    return None, False
                 if slot >= self.active and not self._closing:
                     self._park.wait()
                     continue
@@ -223,18 +223,18 @@ class RecvPool(Generic[J]):
                 now = time.monotonic()
                 if ticket.deadline and now >= ticket.deadline:
                     ticket.state = EXPIRED  # before the watchdog saw it: never start it
-                    return ticket
+                    return ticket, True
                 ticket.state, ticket.slot, ticket.started = RUNNING, slot, now
                 self._current[me] = ticket
-                return ticket
+                return ticket, False
 
     def _run(self, slot: int) -> None:
         me = threading.current_thread()
         while True:
-            ticket = self._next(slot)
+            ticket, late = self._next(slot)
             if ticket is None:
                 break
-            if ticket.state == EXPIRED:
+            if late:
                 self._expire_now(ticket.job, TIMEOUT, None)
                 continue
             self.inflight[slot] = self._busy[slot] = 1

@@ -56,6 +56,14 @@ def make_worker_on(monkeypatch):
         w.shutdown()
 
 
+def wait_until(cond, timeout: float, what: str) -> None:
+    """Poll `cond` until it holds; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 30.0
              ) -> tuple[set[str], set[int]]:
     """Submit a step's loads and saves, then poll like vLLM until every request reports. A

@@ -6,18 +6,16 @@ own is frozen (SIGSTOP) under a save.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 import connector.recv_pool as recv_pool
 from connector.metadata import BlockTransfer, StepMetadata
-from tests.worker_kit import hashes, kv_caches, run_step
+from devkit.processes import freeze, frozen, thaw
+from tests.worker_kit import hashes, kv_caches, run_step, wait_until
 
 
 @pytest.fixture
@@ -182,22 +180,6 @@ def own_cluster():
     master.stop()
 
 
-@contextmanager
-def frozen(proc):
-    os.killpg(proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(proc.pid, signal.SIGCONT)
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def in_put(w) -> bool:
     """A save is inside its zero-copy put (past its existence check)."""
     return any(t.state == recv_pool.TOUCHING for t in list(w.save_pool._current.values()))
@@ -221,11 +203,11 @@ def test_preemption_waits_for_a_put_reading_its_blocks_and_no_longer(make_worker
     original = {n: t[:, 0:4].clone() for n, t in caches.items()}
     w = make_worker_on(master, caches=caches, prefix="preempt-reading", **ZERO_COPY_SAVES)
     hs = hashes("preempt-reading", 4)
-    os.killpg(node.proc.pid, signal.SIGSTOP)
+    freeze(node.proc)
     resumed: list[float] = []
 
     def resume() -> None:
-        os.killpg(node.proc.pid, signal.SIGCONT)
+        thaw(node.proc)
         resumed.append(time.monotonic())
 
     timer = threading.Timer(SAVE_TIMEOUT_S + 1.0, resume)
@@ -238,7 +220,7 @@ def test_preemption_waits_for_a_put_reading_its_blocks_and_no_longer(make_worker
         returned = time.monotonic()
     finally:
         timer.cancel()
-        os.killpg(node.proc.pid, signal.SIGCONT)
+        thaw(node.proc)
     for t in caches.values():  # the blocks go to another request
         t[:, 0:4] = -1.0
     assert resumed and returned >= resumed[0], "handle_preemptions returned before the put did"
