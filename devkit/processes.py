@@ -84,8 +84,9 @@ def _all_stopped(pid: int) -> bool:
 
 def freeze(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGSTOP the process group (a frozen peer: its sockets stay open, nothing answers), and
-    return once every thread has stopped: a thread busy at the signal stops only when it next
-    enters the kernel, so until then a request sent to it may still be answered."""
+    return once /proc shows every thread stopped. killpg returns when the signal is queued, and
+    each thread stops when the kernel next runs it: before that, a request sent to the peer may
+    still be answered (seen here: a store node served a get after its kill had returned)."""
     os.killpg(proc.pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while not _all_stopped(proc.pid):
