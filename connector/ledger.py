@@ -1,5 +1,5 @@
-"""Request-lifetime bookkeeping on the worker: which requests still have loads in flight or
-saves that still need their blocks, and what vLLM must be told next poll.
+"""Request-lifetime bookkeeping on the worker: which requests still have loads or saves that
+hold their blocks, and what vLLM must be told next poll.
 
 Loads and saves are counted apart. vLLM needs to hear that a request's *load* finished (it
 waits in WAITING_FOR_REMOTE_KVS until then), and separately that its *saves* finished (its
@@ -56,7 +56,7 @@ class RequestLedger:
             self._lock.notify_all()
 
     def finish_save(self, req_id: str) -> None:
-        """A save no longer needs the request's blocks (it may still be putting a copy)."""
+        """A save lets go of the request's blocks (it ended, or was expired or dropped)."""
         with self._lock:
             self._saves[req_id] -= 1
             if self._saves[req_id] <= 0:

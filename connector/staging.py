@@ -103,7 +103,8 @@ class BlockStager:
         The KV blocks are read only inside one `reading()`, from the first gather to the
         last: the puts of earlier chunks run inside it, since a later chunk must never be
         gathered from blocks vLLM took back meanwhile. The last chunk's put reads only the
-        staging buffer, so a job that fits the buffer releases its blocks before it puts."""
+        staging buffer (for a job that fits the buffer, the only put), so the job may be
+        expired during it without harm."""
         results: list[int] = []
         step = self.capacity
         if not keys:

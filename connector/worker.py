@@ -10,12 +10,13 @@
   for a finished request, `handle_preemptions` returning for a preempted one) only once no
   job of it can still read or write them. A job touches vLLM's memory only inside
   `recv_pool.Ticket.touching()`, which nothing expires: a zero-copy get or put for its whole
-  call, a staged save from its first gather to its last (its puts then read only the staging
-  buffer), a staged load for each scatter. A save releases its blocks as soon as it has read
-  them; one that has not started reading when its deadline passes, or when its request is
-  preempted, is dropped and never reads them. A zero-copy call cannot be cut short, so its
-  blocks are held until it returns: bounded by Mooncake's own timeouts (`transfer_timeout`;
-  by default `load_timeout_s` where transfers are zero-copy). See docs/reliability-bounds.md.
+  call, a staged save from its first gather to its last (its last put then reads only the
+  staging buffer), a staged load for each scatter. A save holds its blocks until it ends
+  (so finished_sending means stored), but one past its deadline, or of a preempted request,
+  that is not reading them is expired at once and never reads them again. A zero-copy call
+  cannot be cut short, so its blocks are held until it returns: bounded by Mooncake's own
+  timeouts (`transfer_timeout`; by default `load_timeout_s` where transfers are zero-copy).
+  See docs/reliability-bounds.md.
 - Memory under a stuck call: a staged load copies into the KV cache only from its thread's
   staging buffer; a thread whose call outlives the deadline is replaced together with its
   buffer, which is released only once the call returns.
@@ -27,9 +28,7 @@ import hashlib
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 from connector.config import ConnectorConfig
@@ -348,23 +347,14 @@ class MooncakeStoreWorker:
 
     # ---- save job (runs on the save thread) ------------------------------------------------
     def _release(self, job: _Job) -> None:
-        """The save no longer needs its request's blocks (it has read them, will never read
-        them, or ended): once per job, whoever gets here first."""
+        """The save lets go of its request's blocks: it ended, or it was expired or dropped
+        while not reading them (a put from the staging buffer may still be running). Once per
+        job, whoever gets here first."""
         with self._release_lock:
             if job.released:
                 return
             job.released = True
         self.ledger.finish_save(job.transfer.req_id)
-
-    @contextmanager
-    def _reading(self, job: _Job, ticket: Ticket[_Job]):
-        """Where a save reads the KV blocks: yields False if it was expired or dropped first
-        (then it must not read them); its blocks are released as soon as it leaves."""
-        try:
-            with ticket.touching() as ok:
-                yield ok
-        finally:
-            self._release(job)
 
     def _save_job(self, job: _Job, _slot: int, ticket: Ticket[_Job]) -> None:
         t = job.transfer
@@ -391,12 +381,11 @@ class MooncakeStoreWorker:
             if new:
                 new_keys, new_ids = [keys[i] for i in new], [t.block_ids[i] for i in new]
                 stager = self._stager(client)
-                reading = partial(self._reading, job, ticket)
                 if stager:  # reads the blocks from the first gather to the last
-                    results = stager.put(client, new_keys, new_ids, reading,
+                    results = stager.put(client, new_keys, new_ids, ticket.touching,
                                          self._store.replicate)
                 else:  # zero-copy: the put reads the blocks for its whole call
-                    with reading() as ok:
+                    with ticket.touching() as ok:
                         results = client.batch_put_from_multi_buffers(
                             new_keys, *self._regions.addresses(new_ids),
                             self._store.replicate) if ok else []

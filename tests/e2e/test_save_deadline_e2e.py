@@ -1,11 +1,11 @@
 """A save past its deadline never stores another request's KV, end to end.
 
 `staging: off`, the path GPUs take: every put is a zero-copy call that reads the KV blocks for
-its whole duration. Engines in float32 (greedy tokens compared exactly hold on any x86 CPU). A
-store node of this module's own is frozen (SIGSTOP) until a save call has outlived
-`save_timeout_s` and the engine has preempted, while it serves a burst that preempts (a 40-block
-KV cache). Afterwards a fresh engine loads those prefixes from the store and must give the
-greedy tokens of an engine without the connector: no stored block holds another request's KV.
+its whole duration. A store node of this module's own is frozen (SIGSTOP) until a save call
+has outlived `save_timeout_s` and the engine has preempted, while it serves a burst that
+preempts (a 40-block KV cache). Afterwards a fresh engine loads those prefixes from the store
+and must give the greedy tokens of an engine without the connector: no stored block holds
+another request's KV. Engines run float32, `VllmServer`'s default.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from devkit.processes import freeze, thaw
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra, make_prompts
 
-FLOAT32 = ("--dtype", "float32")
 MAX_TOKENS = 48
 # A put against the frozen node waits Mooncake's transfer timeout for each group of slices, so
 # it outlives save_timeout_s by far; once the node is resumed it completes.
@@ -41,7 +40,7 @@ def cluster():
 
 def engine(model: str, master, *args: str) -> VllmServer:
     return VllmServer(model, connector_kv_config(engine_extra(master, **EXTRA)),
-                      max_model_len=1024, extra_args=(*FLOAT32, *args))
+                      max_model_len=1024, extra_args=args)
 
 
 def preemptions(m: dict[str, float]) -> float:
@@ -52,7 +51,7 @@ def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_
                                                                            cluster):
     master, node = cluster
     work = make_prompts(6, seed=25)
-    reference = VllmServer(tiny_model, extra_args=FLOAT32).start()
+    reference = VllmServer(tiny_model).start()
     try:
         truth = [reference.complete(p, MAX_TOKENS) for p in work]
     finally:
