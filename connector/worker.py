@@ -81,7 +81,8 @@ class MooncakeStoreWorker:
         self._closed = False
         self._store = StoreHandle(
             config.store, config.store.global_segment_size, config.store.local_buffer_size,
-            config.on_master_unreachable, config.store_timeout_s)
+            config.on_master_unreachable, config.store_timeout_s,
+            on_probe_error=lambda: self.recorder.count("master_probe_errors", tp_rank))
         self.ledger = RequestLedger()
         self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads)
         self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges,
