@@ -56,6 +56,12 @@ SHUTDOWN_CODE = "shutdown"
 # Codes that mean the master itself is gone: stop calling it until a probe says it is back.
 MASTER_DOWN_CODES = frozenset({-900, -901})
 PROBE_KEY = "__mcpool_probe__"
+# A new HA leader publishes its address in etcd when its warm-up starts and opens its RPC port
+# only when it serves (~5 s later): the probe then connects to that port every FAST_PROBE_S
+# (a TCP connect, no etcd read) for up to LEADER_WARMUP_WAIT_S, so the breaker closes within
+# FAST_PROBE_S of the new leader serving instead of within probe_s.
+FAST_PROBE_S = 0.1
+LEADER_WARMUP_WAIT_S = 10.0
 RPC_TIMEOUT_ENV, RPC_CONNECT_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS"
 # Both the masters and the client use this id when none is given.
 DEFAULT_CLUSTER_ID = "mooncake_cluster"
@@ -290,6 +296,7 @@ class StoreHandle:
         self._lock = threading.Lock()  # the breaker's state
         self._connect_lock = threading.Lock()  # installing a client vs on_connect and close
         self._threads: list[threading.Thread] = []  # probe and reconnect threads started
+        self._awaited, self._awaited_until = "", 0.0  # a new leader warming up, watched until
         self._generation = 0  # +1 whenever the breaker closes or a client is installed
         self._calls = threading.local()  # .generation: when this thread's call started
         self.client: Any = None
@@ -368,13 +375,16 @@ class StoreHandle:
         return failovers, seconds
 
     def _probe(self) -> None:
-        """Every probe_s until the breaker closes (or the handle is closed): one round. No
+        """One round after another until the breaker closes (or the handle is closed). No
         exception ends the thread: it is logged and counted, and the next round goes on."""
-        while not self._stop.wait(self._probe_s):
+        wait: float | None = self._probe_s
+        while not self._stop.wait(wait):
             try:
-                if self._probe_round():
+                wait = self._probe_round()
+                if wait is None:
                     return
             except Exception as e:  # noqa: BLE001 - supervised, see above
+                wait = self._probe_s
                 text = f"{type(e).__name__}: {e}"
                 log = logger.warning if text != self._last_probe_error else logger.debug
                 log("Mooncake breaker probe failed (%s); probing again", text)
@@ -382,23 +392,35 @@ class StoreHandle:
                 if self._on_probe_error is not None:
                     self._on_probe_error()
 
-    def _probe_round(self) -> bool:
-        """True once the breaker is closed (or the handle closed), False to probe again."""
+    def _probe_round(self) -> float | None:
+        """None once the breaker is closed (or the handle closed), else the seconds to wait
+        before the next round."""
         cfg, timeout = self._args[0], self._args[3]
         client = self.client
         if client is None:  # closed
-            return True
-        master, problem = find_master(cfg, min(timeout, 1.0))
-        if problem:
-            return False
+            return None
+        if self._awaited and time.monotonic() < self._awaited_until:
+            master = self._awaited
+            host, port = master.rsplit(":", 1)
+            if _probe_tcp(host, int(port), FAST_PROBE_S) is not None:
+                return FAST_PROBE_S
+        else:
+            master, problem = find_master(cfg, min(timeout, 1.0))
+            if problem:
+                if cfg.ha and master and master != self.master:  # a new leader, warming up
+                    self._awaited, self._awaited_until = (
+                        master, time.monotonic() + LEADER_WARMUP_WAIT_S)
+                    return FAST_PROBE_S
+                return self._probe_s
+        self._awaited = ""
         res = client.batch_is_exist([PROBE_KEY])
         if len(res) != 1:
             raise RuntimeError(f"batch_is_exist of one key answered {res!r}")
         if res[0] < 0:
-            return False
+            return self._probe_s
         with self._lock:
             if self._stop.is_set():
-                return True
+                return None
             failover = cfg.ha and master != self.master
             self._outage[0] += failover
             self._outage[1] += time.monotonic() - self._down_since
@@ -406,7 +428,7 @@ class StoreHandle:
             self._down_since, self.down_code, old, self.master = 0.0, "", self.master, master
         logger.info("Mooncake master %s answers%s; store calls resumed", master,
                     f" (failover from {old})" if failover else " again")
-        return True
+        return None
 
     def _reconnect(self) -> None:
         while not self._stop.wait(self._retry_s):

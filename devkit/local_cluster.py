@@ -176,15 +176,20 @@ class StoreNode:
         self.proc = None
 
 
+def segment_mounted(master: MooncakeMaster) -> bool:
+    """Whether the master reports some mounted capacity (a store node has mounted on it)."""
+    try:
+        return any(line.startswith("master_total_capacity_bytes") and float(line.split()[-1]) > 0
+                   for line in master.metrics_text().splitlines())
+    except OSError:
+        return False
+
+
 def _wait_segment_mounted(master: MooncakeMaster, timeout: float = 20.0) -> None:
     """Block until the master reports some mounted capacity (the node finished mounting)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            for line in master.metrics_text().splitlines():
-                if line.startswith("master_total_capacity_bytes") and float(line.split()[-1]) > 0:
-                    return
-        except OSError:
-            pass
+        if segment_mounted(master):
+            return
         time.sleep(0.1)
     raise TimeoutError("store node did not mount its segment on the master in time")
