@@ -6,9 +6,10 @@ message that names the field, instead of freezing the engine.
 
 With an HA master group (`master_server_address: etcd://...`) the leader is the address that
 etcd holds under `mooncake-store/<cluster id>/master_view`; the client follows it by itself.
-While no leader serves (measured here: ~5 s etcd lease, then ~5 s leader warm-up), each store
-call blocks ~4.3 s and returns -900, so the breaker below fails jobs at once instead, and one
-probe thread watches etcd for the new leader before it spends a call on it.
+While no leader serves (the old leader's etcd lease, then the new leader's warm-up), each store
+call blocks for seconds and returns -900 (docs/failover.json, `blocked_call_s`), so the breaker
+below fails jobs at once instead, and one probe thread watches etcd for the new leader before
+it spends a call on it.
 """
 
 from __future__ import annotations
@@ -226,8 +227,8 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
 
 # Mooncake's own deadlines, read from the environment when its transports start: a TCP
 # transfer (MC_TCP_STATUS_TIMEOUT_SEC), other transports (MC_TRANSFER_TIMEOUT) and master
-# RPCs (MC_RPC_TIMEOUT_MS). Each defaults to 30 s; measured here: a get from a frozen store
-# node returns -800 and one through a frozen master -901, 30 s after the call.
+# RPCs (MC_RPC_TIMEOUT_MS). Each defaults to 30 s; what a get from a frozen store node and one
+# through a frozen master return, and when: `python -m devkit.frozen_peer` (docs/frozen-peer.json).
 TIMEOUT_ENV = {"MC_TCP_STATUS_TIMEOUT_SEC": 1, "MC_TRANSFER_TIMEOUT": 1, "MC_RPC_TIMEOUT_MS": 1000}
 
 

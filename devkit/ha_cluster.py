@@ -8,7 +8,7 @@ Clients must use the masters' cluster id (`MC_STORE_CLUSTER_ID`), else their set
 
     cluster = HaCluster().start()
     cluster.store_config()   # connector fields: etcd:// addresses and cluster_id
-    cluster.leader().kill()  # the standby serves about 10 s later, with all metadata
+    cluster.leader().kill()  # the standby serves after the lease and its warm-up, with all metadata
 
 A master that exits on its own is started again by a supervisor thread, as Kubernetes'
 `restartPolicy: Always` does for the chart's masters: a promoted standby whose RPC port was

@@ -1,7 +1,11 @@
 """Measure a Mooncake master failover as the connector's store client sees it, and write the
-timeline that the README's reliability table quotes (docs/failover.json):
+timeline that docs/reliability-failover.md and the README quote (docs/failover.json):
 
-    python -m devkit.ha_timeline [--runs 2] [--out docs/failover.json]
+    python -m devkit.ha_timeline [--runs 2] [--out docs/failover.json] [--client-only]
+
+then run the engine-level HA tests (tests/e2e/test_ha_failover.py, a real `vllm serve`), which
+add their figures to the same file, and re-render the quoted passages (`bench.claims`): one
+command re-records everything the failover tables show.
 
 Each run starts a local HA group (devkit.ha_cluster), stores N objects through the
 connector's `StoreHandle` (with the engines' probe interval), SIGKILLs the leader, and records
@@ -21,6 +25,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -147,7 +152,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--out", default="docs/failover.json")
+    ap.add_argument("--client-only", action="store_true",
+                    help="only the client timeline: no engine-level tests, no re-rendering")
     args = ap.parse_args()
+    environ = dict(os.environ)  # the engines' tests start from the caller's environment
     cluster = HaCluster().start()
     os.environ.update(cluster.env)
     try:
@@ -161,6 +169,12 @@ def main() -> None:
                 "node), seen by the connector's StoreHandle; seconds after the kill",
         "runs": runs}, args.out)
     print(f"wrote {args.out}")
+    if args.client_only:
+        return
+    out = str(Path(args.out).resolve())
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/e2e/test_ha_failover.py"],
+                   env={**environ, RECORD_ENV: out}, check=True)
+    subprocess.run([sys.executable, "-m", "bench.claims"], check=True)
 
 
 def _mooncake_version() -> str:

@@ -113,3 +113,51 @@ def test_alert_test_series_are_exported_by_the_connector():
             want = {"model_name", "engine", *f.labels} | ({"le"} if name.endswith("_bucket")
                                                           else set())
             assert labels - target_labels == want, f"{s['series']}: labels != {sorted(want)}"
+
+
+RUNBOOKS = ROOT / "docs" / "runbooks"
+
+
+def _dashboard_titles() -> set[str]:
+    import json
+
+    titles: set[str] = set()
+
+    def walk(panels: list[dict]) -> None:
+        for p in panels:
+            titles.add(p.get("title", ""))
+            walk(p.get("panels", []))
+
+    for f in (ROOT / "dashboards").glob("*.json"):
+        d = json.loads(f.read_text())
+        titles.add(d["title"])
+        walk(d["panels"])
+    return titles
+
+
+def test_runbook_pages_match_their_alerts_and_dashboards():
+    """docs/runbooks/<AlertName>.md: an alert of that name points to it, the page has the
+    four sections an on-call engineer looks for, and every dashboard, row and panel it names
+    exists in the committed dashboards."""
+    import re
+
+    rules = {r["alert"]: r for r in _rules()}
+    titles = _dashboard_titles()
+    pages = sorted(RUNBOOKS.glob("*.md"))
+    assert pages
+    for page in pages:
+        name, text = page.stem, page.read_text()
+        assert name in rules, f"{page.name}: no alert {name}"
+        assert f"docs/runbooks/{page.name}" in rules[name]["annotations"]["description"], name
+        for section in ("## What it means", "## Confirm on the dashboards", "## Likely causes",
+                        "## Fix"):
+            assert section in text, f"{page.name}: no {section!r}"
+        named = re.findall(r'(?:panel|row|On) "([^"]+)"', text)
+        assert named, f"{page.name}: names no dashboard panel"
+        assert set(named) <= titles, f"{page.name}: unknown {sorted(set(named) - titles)}"
+
+
+def test_no_leader_runbook_names_the_failed_promotion():
+    text = (RUNBOOKS / "MooncakeMasterNoServingLeader.md").read_text()
+    assert "Failed to start master service: 1" in text and "status 255" in text
+    assert "net.ipv4.ip_local_reserved_ports" in text and "restartPolicy" in text

@@ -1,4 +1,5 @@
-"""Every benchmark number in README.md and docs/benchmark.md matches the committed JSON.
+"""Every measured number in README.md, docs/benchmark.md and docs/reliability-failover.md
+matches the committed JSON.
 
 The numbers live in `<!-- bench:NAME -->` passages that `bench.claims` renders from
 docs/*.json; these tests re-render them and compare, and check that no measurement-looking
@@ -20,9 +21,14 @@ MEASURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?(?:x|%|ms|us
 # Numbers outside passages that are settings or design constants, not measurements.
 SETTINGS = {"0 ms", "5 ms", "10 ms",  # master RTTs the runs were set to
             "15 %", "16 s"}  # auto-tuner constants (connector/autotune.py)
-README_PASSAGES = {"readme-demo", "readme-tracing", "readme-headlines", "readme-serve"}
+FAILOVER_PASSAGES = {"failover-timeline", "failover-serve", "frozen-get"}
+README_PASSAGES = {"readme-demo", "readme-tracing", "readme-headlines", "readme-serve",
+                   *FAILOVER_PASSAGES}
 DOCS_PASSAGES = {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
                  "docs-serve"}
+# Settings the reliability page quotes outside passages (connector constants and defaults, the
+# partition test's store_timeout_s), not measurements.
+RELIABILITY_SETTINGS = {"0.5 s", "0.1 s"}
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +46,13 @@ def test_every_passage_matches_the_json(path, runs):
 
 
 def test_the_passages_are_all_there():
-    readme = {n for n, _ in claims.blocks(claims.FILES[0].read_text())}
-    docs = {n for n, _ in claims.blocks(claims.FILES[1].read_text())}
+    readme, docs, reliability = ({n for n, _ in claims.blocks(f.read_text())}
+                                 for f in claims.FILES)
     assert readme == README_PASSAGES and docs == DOCS_PASSAGES
+    assert reliability == FAILOVER_PASSAGES
 
 
-@pytest.mark.parametrize("name", sorted(README_PASSAGES | DOCS_PASSAGES))
+@pytest.mark.parametrize("name", sorted(README_PASSAGES | DOCS_PASSAGES | FAILOVER_PASSAGES))
 def test_an_edited_number_is_caught(name, runs):
     """The comparison has teeth: changing any digit of a passage makes it differ."""
     body = claims.RENDERERS[name](runs)
@@ -72,6 +79,12 @@ def test_no_measurement_outside_a_passage(where):
     text = FENCE.sub("", claims.BLOCK.sub("", _bench_parts()[where]))
     loose = [m.group() for m in MEASURE.finditer(text) if m.group() not in SETTINGS]
     assert not loose, f"{where}: numbers outside <!-- bench:... --> passages: {loose}"
+
+
+def test_no_measurement_outside_a_passage_on_the_reliability_page():
+    text = FENCE.sub("", claims.BLOCK.sub("", claims.FILES[2].read_text()))
+    loose = [m.group() for m in MEASURE.finditer(text) if m.group() not in RELIABILITY_SETTINGS]
+    assert not loose, f"docs/reliability-failover.md: numbers outside passages: {loose}"
 
 
 def test_unknown_passage_is_an_error(runs):
