@@ -5,10 +5,11 @@ docs/frozen-peer.json.
 
     python -m devkit.frozen_peer [--out docs/frozen-peer.json]
 
-A local master and store node; a plain client stores one object on the node, then each peer
-in turn is frozen for one get and thawed. MC_TCP_STATUS_TIMEOUT_SEC, MC_TRANSFER_TIMEOUT,
-MC_RPC_TIMEOUT_MS and MC_RPC_CONNECT_TIMEOUT_MS are removed from this process's environment
-first, so the defaults apply (the connector sets them from transfer_timeout / store_timeout_s).
+A local master and store node; a plain client stores one object on the node, then the master
+and then the node are frozen for one get each and thawed. MC_TCP_STATUS_TIMEOUT_SEC,
+MC_TRANSFER_TIMEOUT, MC_RPC_TIMEOUT_MS and MC_RPC_CONNECT_TIMEOUT_MS are removed from this
+process's environment first, so the defaults apply (the connector sets them from
+transfer_timeout / store_timeout_s).
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ def measure() -> dict[str, Any]:
         buf = np.ones(SIZE, dtype=np.uint8)
         assert client.register_buffer(buf.ctypes.data, SIZE) == 0
         assert client.put_from("frozen-peer", buf.ctypes.data, SIZE) == 0
-        out = {"loadavg_1m": round(os.getloadavg()[0], 2),
-               "store_node": frozen_get(node.proc, client, "frozen-peer", buf),
-               "master": frozen_get(master.proc, client, "frozen-peer", buf)}
-        return out
+        # The master first: a store node frozen for 30 s may lose its segment (and the
+        # object) on the master, so a get made afterwards could fail before any RPC.
+        return {"loadavg_1m": round(os.getloadavg()[0], 2),
+                "master": frozen_get(master.proc, client, "frozen-peer", buf),
+                "store_node": frozen_get(node.proc, client, "frozen-peer", buf)}
     finally:
         client.close()
         if node is not None:
