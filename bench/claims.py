@@ -1,5 +1,6 @@
-"""The measured numbers quoted in README.md, docs/benchmark.md and docs/reliability-failover.md,
-rendered from the committed JSON files, so that the prose cannot drift from the runs.
+"""The measured numbers quoted in README.md and the docs site (docs/*.md: the benchmark, the
+failover timings), rendered from the committed JSON files, so that the prose cannot drift from
+the runs.
 
 A quoted passage sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; `RENDERERS[NAME]`
 writes it from the JSON. `python -m bench.claims` rewrites every marked passage in place after a
@@ -22,7 +23,8 @@ from bench.autothreads import format_auto
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
-FILES = (REPO / "README.md", DOCS / "benchmark.md", DOCS / "reliability-failover.md")
+# Every page a passage may sit on: a passage moved to another page stays rendered and checked.
+FILES = (REPO / "README.md", *sorted(DOCS.rglob("*.md")))
 BLOCK = re.compile(r"<!-- bench:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /bench:(?P=name) -->",
                    re.S)
 MARK = {True: "met", False: "**missed**", None: "unresolved"}
@@ -381,8 +383,8 @@ average (1 min) at the start of each run, median per row: {min(loads):.1f} to
 def readme_serve(r: Runs) -> str:
     return f"""
   - Serving benchmark (`python -m bench.serve`, vLLM's own `vllm bench serve` client, a fresh
-    engine reading prefixes another engine stored; [table](docs/benchmark.md#serving),
-    [TTFT plot](docs/serve-ttft.png)), targets:
+    engine reading prefixes another engine stored; [table](benchmark.md#serving),
+    [TTFT plot](serve-ttft.png)), targets:
 {chr(10).join('    ' + line for line in _serve_targets(r).splitlines())}
 """
 

@@ -45,7 +45,13 @@ from bench.run import TCP_QUEUE_ENV, git_commit
 from bench.tune import save_figure
 from devkit.local_cluster import MooncakeMaster, StoreNode
 from devkit.tiny_model import make_tiny_llama
-from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
+from devkit.vllm_server import (
+    BLOCK_SIZE,
+    SERVING_DTYPE,
+    VllmServer,
+    connector_kv_config,
+    metric_sum,
+)
 
 ENGINE_START_S = 300.0
 CASES = ("no-connector", "in-tree", "ours-1t", "ours-4t", "ours-auto", "local-warm")
@@ -155,7 +161,10 @@ class Stack:
             kv = connector_kv_config(self.master.store_config(
                 global_segment_size=0, local_buffer_size="64MB", cache_prefix="serve",
                 load_threads=threads if threads == "auto" else int(threads)))
-        return VllmServer(self.model, kv, env=env, log_path=str(self.work / f"vllm-{name}.log"))
+        # bfloat16 as served in production: this benchmark times engines, it compares no
+        # outputs (docs/serve.json was recorded so).
+        return VllmServer(self.model, kv, env=env, log_path=str(self.work / f"vllm-{name}.log"),
+                          dtype=SERVING_DTYPE)
 
     @contextmanager
     def engine(self, kind: str, name: str) -> Iterator[VllmServer]:

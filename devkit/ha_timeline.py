@@ -1,5 +1,5 @@
 """Measure a Mooncake master failover as the connector's store client sees it, and write the
-timeline that docs/reliability-failover.md and the README quote (docs/failover.json):
+timeline that docs/reliability-failover.md quotes (docs/failover.json):
 
     python -m devkit.ha_timeline [--runs 2] [--out docs/failover.json] [--client-only]
 
