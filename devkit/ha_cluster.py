@@ -133,13 +133,16 @@ class HaCluster:
     cluster_id: str = "mcpool-dev"
     segment_size: str = "512MB"
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mooncake-ha-"))
-    etcd: Etcd | None = None  # None: start one of our own (made in __post_init__)
+    # None: start one of our own (made in __post_init__). One already running is shared: left
+    # running at stop (give each group on it its own cluster_id).
+    etcd: Etcd | None = None
     masters: list[HaMaster] = field(default_factory=list)
     node: StoreNode | None = None
     supervise: bool = True  # start a master again when it exits on its own
     restart_delay_s: float = 1.0  # between an exit (or a failed start) and the next start
     _supervisor: threading.Thread | None = field(default=None, repr=False)
     _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
+    _own_etcd: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.etcd = self.etcd or Etcd(log_dir=self.log_dir)
@@ -168,7 +171,9 @@ class HaCluster:
         return self.leader().metrics_text()
 
     def start(self, timeout: float = 60.0) -> HaCluster:
-        self.etcd.start()
+        if self.etcd.proc is None:
+            self.etcd.start()
+            self._own_etcd = True
         first, second = self.masters
         first.start()
         self.wait_serving(timeout)  # the first master wins the election
@@ -239,6 +244,6 @@ class HaCluster:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(60)
-        for proc in (self.node, *self.masters, self.etcd):
+        for proc in (self.node, *self.masters, self.etcd if self._own_etcd else None):
             if proc is not None:
                 proc.stop()

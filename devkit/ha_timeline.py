@@ -77,11 +77,13 @@ def _watch(pred, timeout: float, since, out: dict[str, Any], key: str) -> thread
     return t
 
 
-def measure_failover(cluster: HaCluster, objects: int = 200, timeout: float = 60.0
-                     ) -> dict[str, Any]:
+def measure_failover(cluster: HaCluster, objects: int = 200, timeout: float = 60.0,
+                     store_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Kill the leader of a running `cluster` and time the failover; the killed master is
-    started again (as the new standby) before returning."""
-    cfg = load_config(cluster.store_config(), os.environ).store
+    started again (as the new standby) before returning. `store_config`: the connector
+    fields of the client (default `cluster.store_config()`; a process keeps one etcd client,
+    so tests pass the endpoint their other clients use)."""
+    cfg = load_config(store_config or cluster.store_config(), os.environ).store
     handle = StoreHandle(cfg, 0, 2 * objects * OBJECT_BYTES, "fail", 5.0)  # engines' probe_s
     client = handle.client
     data = np.random.default_rng(0).integers(0, 255, objects * OBJECT_BYTES, dtype=np.uint8)

@@ -26,6 +26,7 @@ from devkit.ha_cluster import Etcd, HaCluster, HaMaster
 from devkit.ha_timeline import measure_failover, record
 from devkit.local_cluster import _wait_segment_mounted
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from tests.conftest import ha_group, in_process_config
 from tests.e2e.test_faults import prompts as random_prompts
 from tests.e2e.test_faults import wait_for_cache
 
@@ -66,8 +67,8 @@ def test_bad_ha_config_names_the_field(extra, environ, expected):
 
 # ---- a real HA group -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ha_cluster():
-    cluster = HaCluster(segment_size="256MB").start()
+def ha_cluster(ha_etcd):
+    cluster = ha_group(ha_etcd, "e2e", segment_size="256MB").start()
     yield cluster
     cluster.stop()
 
@@ -130,11 +131,11 @@ def test_prometheus_scrapes_both_masters(ha_cluster):
             assert prom.query(rule["expr"]) == [], rule["alert"]
 
 
-def test_failover_timeline_at_the_client(ha_cluster, monkeypatch):
+def test_failover_timeline_at_the_client(ha_cluster, ha_etcd, monkeypatch):
     """The breaker opens on the first -900, closes once the new leader serves, and every
     object stored before the kill is readable, byte for byte, afterwards."""
     monkeypatch.setenv(CLUSTER_ID_ENV, ha_cluster.cluster_id)  # restored for the engine
-    t = measure_failover(ha_cluster)
+    t = measure_failover(ha_cluster, store_config=in_process_config(ha_cluster, ha_etcd))
     print("failover timeline:", t)
     assert t["new_leader"] and t["objects_readable_after"] == t["objects"]
     assert t["objects_identical_after"]

@@ -20,8 +20,9 @@ import pytest
 
 from connector.config import load_config
 from connector.store import MASTER_DOWN_CODES, StoreHandle
-from devkit.ha_cluster import HaCluster, HaMaster
+from devkit.ha_cluster import HaMaster
 from devkit.local_cluster import TRANSFER_ENGINE_PORTS, ephemeral_ports
+from tests.conftest import ha_group, in_process_config
 
 OBJECTS, SIZE = 64, 64 * 2**10
 
@@ -41,16 +42,16 @@ def wait_for(pred, timeout: float, why: str) -> float:
 
 
 @pytest.fixture
-def cluster(monkeypatch):
-    c = HaCluster(segment_size="64MB", supervise=False).start()
+def cluster(ha_etcd, monkeypatch):
+    c = ha_group(ha_etcd, "promotion", segment_size="64MB", supervise=False).start()
     for k, v in c.env.items():
         monkeypatch.setenv(k, v)
     yield c
     c.stop()
 
 
-def test_failed_promotion_recovers_when_the_master_is_restarted(cluster):
-    cfg = load_config(cluster.store_config(), {}).store
+def test_failed_promotion_recovers_when_the_master_is_restarted(cluster, ha_etcd):
+    cfg = load_config(in_process_config(cluster, ha_etcd), {}).store
     h = StoreHandle(cfg, 0, 2 * OBJECTS * SIZE, "fail", 5.0, probe_s=0.1)
     try:
         client = h.client

@@ -22,6 +22,7 @@ from connector.store import (
 from devkit.ha_cluster import HaCluster
 from devkit.local_cluster import MooncakeMaster
 from tests.client_kit import CallRecorder
+from tests.conftest import ha_group
 
 
 def handle(master, mode: str = "fail", retry_s: float = 5.0, **fields) -> StoreHandle:
@@ -192,19 +193,19 @@ def test_on_connect_never_misses_a_reconnect():
 
 # ---- a real HA group behind a proxy that can make etcd answer garbage ------------------------
 def ha_config(cluster: HaCluster, proxy):
-    """The group's connector config, with the master view read through the proxy."""
-    return load_config(cluster.store_config(master_server_address=f"etcd://{proxy.address}"),
-                       environ={}).store
+    """The group's connector config, with etcd read through the proxy."""
+    address = f"etcd://{proxy.address}"
+    return load_config(cluster.store_config(master_server_address=address,
+                                            metadata_server=address), environ={}).store
 
 
 @pytest.fixture(scope="module")
-def ha_etcd_proxy():
-    """(group, proxy in front of its etcd, a handle reading through it, its probe errors).
-    One handle for the module: closing an HA client takes Mooncake about 30 s."""
-    from bench.proxy import DelayProxy
-
-    cluster = HaCluster(segment_size="64MB").start()
-    proxy = DelayProxy(cluster.etcd.endpoint, rtt_ms=0.0).start()
+def ha_etcd_proxy(ha_etcd):
+    """(group, the session's proxy in front of its etcd, a handle reading through it, its
+    probe errors). One handle for the module: closing an HA client takes Mooncake tens of
+    seconds."""
+    cluster = ha_group(ha_etcd, "garbage", segment_size="64MB").start()
+    proxy = ha_etcd[1]
     errors: list[float] = []
     with pytest.MonkeyPatch.context() as env:
         for k, v in cluster.env.items():
@@ -213,7 +214,6 @@ def ha_etcd_proxy():
                         on_probe_error=lambda: errors.append(time.monotonic()))
         yield cluster, proxy, h, errors
         h.close()
-    proxy.stop()
     cluster.stop()
 
 
