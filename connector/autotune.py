@@ -3,9 +3,9 @@
 Why: the best thread count depends on where a load's time goes. When preparation and master
 round trips dominate (small jobs, a slow master, an RDMA data path), more threads overlap them
 and throughput scales; when the data path itself is CPU-bound (TCP on a small host), extra
-threads only contend and throughput drops. Measured on one 2-core host: 4 threads are 3.5x one
-thread at a 5 ms master RTT, and 0.75x at no delay (docs/benchmark.md). No fixed value is right
-for both.
+threads only contend and throughput drops. On a 2-core host 4 threads load several times
+faster than one at a 5 ms master RTT and slower than one with no delay (the figures:
+docs/benchmark.md, rendered from docs/benchmark.json). No fixed value is right for both.
 
 How: hill climbing on load throughput, measured only in saturated windows (jobs queued and
 the active threads busy nearly all the time: the pool's capacity at that count; windows with

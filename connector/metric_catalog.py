@@ -127,6 +127,8 @@ FAMILIES: tuple[Family, ...] = (
            "Did the master group fail over, and did every engine follow the new leader?"),
     Family("master_down_seconds", "counter", _R, "Time this rank's store client had no master answering (circuit breaker open: store jobs fail fast and vLLM recomputes); counted while it lasts.",
            "How long was the cache unavailable during a master outage or failover?"),
+    Family("master_probe_errors", "counter", _R, "Rounds of the circuit breaker's probe that failed with an error (etcd answering garbage, an exception from the store client) instead of finding the master still down; logged, and the probe goes on.",
+           "Is something broken besides the outage itself (etcd, a proxy, the client)?"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}
@@ -158,7 +160,8 @@ def known_series(tp_size: int) -> list[str]:
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
-                 f"master_failovers|{rank}", f"master_down_seconds|{rank}"]
+                 f"master_failovers|{rank}", f"master_down_seconds|{rank}",
+                 f"master_probe_errors|{rank}"]
         keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
                  if op != "lookup" or rank == 0]
     return keys

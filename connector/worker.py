@@ -101,7 +101,8 @@ class MooncakeStoreWorker:
             store_cfg = replace(store_cfg, transfer_timeout=config.load_timeout_s)
         self._store = StoreHandle(
             store_cfg, store_cfg.global_segment_size, store_cfg.local_buffer_size,
-            config.on_master_unreachable, config.store_timeout_s)
+            config.on_master_unreachable, config.store_timeout_s,
+            on_probe_error=lambda: self.recorder.count("master_probe_errors", tp_rank))
         self.ledger = RequestLedger()
         self._release_lock = threading.Lock()
         self._saves_failing = False  # the last save ended in a store error
