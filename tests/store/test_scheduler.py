@@ -3,8 +3,6 @@ and capped, a failed load is never retried in a loop, and blocks are held while 
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from types import SimpleNamespace
 
@@ -15,6 +13,7 @@ from connector.keys import KeyBuilder, Layout
 from connector.scheduler import MooncakeStoreScheduler
 from connector.store import StoreUnavailable
 from devkit.local_cluster import MooncakeMaster
+from devkit.processes import freeze, thaw
 from tests.client_kit import CallRecorder
 from tests.worker_kit import hashes
 
@@ -185,7 +184,7 @@ def test_frozen_master_lookup_times_out_and_shutdown_waits_for_its_call(monkeypa
     try:
         s = make(live, lookup_timeout_s=0.3, lookup_wait_ms=1)
         client = s._store.client = CallRecorder(s._store.client)
-        os.killpg(live.proc.pid, signal.SIGSTOP)
+        freeze(live.proc)
         t0 = time.monotonic()
         assert ask(s, request("x", hashes("x", 4), 4 * BS + 1)) == (0, False)
         assert 0.3 <= time.monotonic() - t0 < 10
@@ -194,10 +193,10 @@ def test_frozen_master_lookup_times_out_and_shutdown_waits_for_its_call(monkeypa
         s.shutdown(timeout=0.2)
         time.sleep(0.2)
         assert client.in_flight_at_close is None, "the client was closed under a running call"
-        os.killpg(live.proc.pid, signal.SIGCONT)  # the call returns, then the client closes
+        thaw(live.proc)  # the call returns, then the client closes
         assert client.wait_closed(30) == 0
     finally:
-        os.killpg(live.proc.pid, signal.SIGCONT)
+        thaw(live.proc)
         live.stop()
 
 
