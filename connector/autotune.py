@@ -181,6 +181,8 @@ class ThreadTuner(Subscriber):
         self._thread.start()
 
     def on_load(self, ev: LoadEvent) -> None:
+        if ev.thread >= len(self._slots):
+            return  # the in-step load thread (connector.step_loads) is not the pool's
         s = self._slots[ev.thread]
         s[0] += 1
         s[1] += ev.nbytes
