@@ -347,18 +347,9 @@ def _serve_noise(s: dict[str, Any]) -> str:
 
 
 def _serve_breakdown(s: dict[str, Any]) -> str:
-    from connector.metric_catalog import TTFT_PHASES
-
-    rows = ["| case | load point | requests (in-step) | store ms | "
-            + " | ".join(TTFT_PHASES) + " |", "|---|---|---|---|" + "---|" * len(TTFT_PHASES)]
-    for case, pts in s["summary"].items():
-        for pt, v in pts.items():
-            b = v.get("breakdown")
-            if b:
-                rows.append(f"| {case} | {pt} | {b['requests']} ({b['requests_by_mode']['sync']})"
-                            f" | {b['store_ms']:.1f} | "
-                            + " | ".join(f"{b['phases_ms'][p]:.1f}" for p in TTFT_PHASES) + " |")
-    return "\n".join(rows)
+    head, *rows = serve_stats.breakdown_rows(s["summary"])
+    return "\n".join("| " + " | ".join(r) + " |"
+                     for r in [head, ["---"] * len(head), *rows])
 
 
 def docs_serve(r: Runs) -> str:

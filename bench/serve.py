@@ -47,7 +47,7 @@ from typing import Any
 
 from bench.reference_get import ReferenceGet
 from bench.run import TCP_QUEUE_ENV, git_commit
-from bench.serve_stats import breakdown_of, evaluate, summarize
+from bench.serve_stats import breakdown_of, breakdown_rows, evaluate, summarize
 from bench.tune import save_figure
 from devkit.local_cluster import MooncakeMaster, StoreNode
 from devkit.tiny_model import make_tiny_llama
@@ -362,19 +362,11 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def format_breakdown(result: dict[str, Any]) -> str:
-    from connector.metric_catalog import TTFT_PHASES
-
-    lines = ["TTFT added by the store, mean ms per request that loaded (engine histograms):",
-             f"{'case':<13} {'load point':<15} {'requests':>8} {'sync':>5} {'total':>7} "
-             + " ".join(f"{p:>13}" for p in TTFT_PHASES)]
-    for case, pts in result["summary"].items():
-        for pt, s in pts.items():
-            b = s.get("breakdown")
-            if b:
-                lines.append(f"{case:<13} {pt:<15} {b['requests']:>8} "
-                             f"{b['requests_by_mode']['sync']:>5} {b['store_ms']:>7.1f} "
-                             + " ".join(f"{b['phases_ms'][p]:>13.1f}" for p in TTFT_PHASES))
-    return "\n".join(lines)
+    rows = breakdown_rows(result["summary"])
+    widths = [max(len(cell) for cell in column) for column in zip(*rows, strict=True)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(["TTFT added by the store, mean ms per request that loaded (engine "
+                      "histograms):", *lines])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -164,3 +164,17 @@ def _overall(mets: list[bool | None]) -> bool | None:
 def evaluate(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Every comparison whose cases ran."""
     return [r for r in (compare(c, result) for c in COMPARISONS) if r["points"]]
+
+
+def breakdown_rows(summary: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """A header and one row per case and load point that loaded from the store: requests (of
+    them in-step), the mean store ms, and the mean ms of each phase."""
+    rows = [["case", "load point", "requests (in-step)", "store ms", *TTFT_PHASES]]
+    for case, pts in summary.items():
+        for pt, v in pts.items():
+            b = v.get("breakdown")
+            if b:
+                rows.append([case, pt, f"{b['requests']} ({b['requests_by_mode']['sync']})",
+                             f"{b['store_ms']:.1f}",
+                             *(f"{b['phases_ms'][p]:.1f}" for p in TTFT_PHASES)])
+    return rows
