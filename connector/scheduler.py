@@ -31,8 +31,9 @@ from connector.ttft import LoadTimes, RequestClock
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
-FIRST_WINDOW = 64  # blocks probed by the first batch_is_exist (one master round trip for
-# a prefix of up to 2048 tokens at 32 per block); later windows grow 4x
+# Blocks probed by the first batch_is_exist: one master round trip covers a prefix of up to
+# 2048 tokens at 32 per block. Later windows grow 4x.
+FIRST_WINDOW = 64
 
 
 @dataclass

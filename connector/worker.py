@@ -4,6 +4,9 @@
   `RecvPool` of N threads (N = VLLM_MOONCAKE_LOAD_RECV_THREADS) runs them. A job that fails in
   any way, or outlives `load_timeout_s`, reports its block ids as load errors *before* the
   request is reported finished, so vLLM recomputes them; no request is ever left unfinished.
+  On host-memory caches `begin_step` queues them before the step's forward. Loads the
+  scheduler put inside the step (`connector.step_loads`) run on a pool of one thread of their
+  own, with a short deadline, and `start_load` returns once they are done or expired.
 - Saves: `start_save` queues one job per request with new full blocks; a pool of one save
   thread writes them (skipping keys the store already holds), each within `save_timeout_s`.
 - Block lifetime (`ledger.RequestLedger`): blocks of a request with jobs in flight are not
