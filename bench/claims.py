@@ -1,5 +1,5 @@
-"""The benchmark numbers quoted in README.md and docs/benchmark.md, rendered from the committed
-JSON files, so that the prose cannot drift from the runs.
+"""The benchmark numbers quoted in README.md and the docs site (docs/*.md), rendered from the
+committed JSON files, so that the prose cannot drift from the runs.
 
 A quoted passage sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; `RENDERERS[NAME]`
 writes it from the JSON. `python -m bench.claims` rewrites every marked passage in place after a
@@ -23,7 +23,8 @@ from bench.autothreads import format_auto
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
-FILES = (REPO / "README.md", DOCS / "benchmark.md")
+# Every page a passage may sit on: a passage moved to another page stays rendered and checked.
+FILES = (REPO / "README.md", *sorted(DOCS.rglob("*.md")))
 BLOCK = re.compile(r"<!-- bench:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /bench:(?P=name) -->",
                    re.S)
 MARK = {True: "met", False: "**missed**", None: "unresolved"}
@@ -403,8 +404,8 @@ changes (every load asynchronous, queued after the forward pass), `ours-4t` the 
 def readme_serve(r: Runs) -> str:
     return f"""
   - Serving benchmark (`python -m bench.serve`, vLLM's own `vllm bench serve` client, the
-    cases interleaved round by round; [tables and the TTFT breakdown](docs/benchmark.md#serving),
-    [TTFT plot](docs/serve-ttft.png)); {_serve_noise(r.serve)}; targets:
+    cases interleaved round by round; [tables and the TTFT breakdown](benchmark.md#serving),
+    [TTFT plot](serve-ttft.png)); {_serve_noise(r.serve)}; targets:
 {chr(10).join('    ' + line for line in _serve_targets(r, True).splitlines())}
 """
 

@@ -51,7 +51,13 @@ from bench.serve_stats import breakdown_of, breakdown_rows, evaluate, summarize
 from bench.tune import save_figure
 from devkit.local_cluster import MooncakeMaster, StoreNode
 from devkit.tiny_model import make_tiny_llama
-from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
+from devkit.vllm_server import (
+    BLOCK_SIZE,
+    SERVING_DTYPE,
+    VllmServer,
+    connector_kv_config,
+    metric_sum,
+)
 
 ENGINE_START_S = 300.0
 ENGINE_GIB = 3.0  # resident memory of one engine (API server + engine core + 1 GiB KV cache)
@@ -188,7 +194,10 @@ class Stack:
                 global_segment_size=0, local_buffer_size="64MB", cache_prefix="serve",
                 load_threads=threads if threads == "auto" else int(threads),
                 **(ASYNC_LOADS if variant == "async" else {})))
-        return VllmServer(self.model, kv, env=env, log_path=str(self.work / f"vllm-{kind}.log"))
+        # bfloat16 as served in production: this benchmark times engines, it compares no
+        # outputs.
+        return VllmServer(self.model, kv, env=env, log_path=str(self.work / f"vllm-{kind}.log"),
+                          dtype=SERVING_DTYPE)
 
     def start(self, kind: str) -> VllmServer:
         server = self.server(kind)

@@ -1,9 +1,9 @@
 """Connector configuration: one validated, frozen object built once at startup.
 
 Every key is declared once, in `KEYS` (name, type, bounds, default, doc, environment
-variable), as `metric_catalog` declares the metrics: the parser, the README table
-(`python -m connector.config`) and the Helm schema test all read it, so a key cannot drift
-between them. Importable without vLLM.
+variable), as `metric_catalog` declares the metrics: the parser, the docs' key table
+(`python -m connector.config`, docs/configuration.md) and the Helm schema test all read it, so
+a key cannot drift between them. Importable without vLLM.
 
 Sources, highest priority first:
   1. ``kv_connector_extra_config`` keys;
@@ -55,7 +55,7 @@ class Key:
     env: str = ""  # read when the key is set nowhere else
     mooncake: bool = False  # also accepted in the MOONCAKE_CONFIG_PATH file (in-tree field)
     fix: str = ""  # how to fix an out-of-range value
-    shown: str = ""  # the default as the README shows it, when it is not a plain value
+    shown: str = ""  # the default as the docs show it, when it is not a plain value
 
     def parse(self, value: Any, name: str) -> Any:
         """The validated value; errors name the field as `name` (where it was set)."""
@@ -478,7 +478,7 @@ def _threads(merged: dict[str, Any], source: dict[str, str]) -> tuple[int, bool]
     return _int_in_range(raw, name, int(key.lo), int(key.hi), key.fix), False
 
 
-# ---- the README table --------------------------------------------------------------------
+# ---- the docs' key table ----------------------------------------------------------------
 def _shown(key: Key) -> str:
     if key.shown:
         return key.shown
@@ -551,8 +551,11 @@ def sync_helm_schema(path: str = HELM_SCHEMA, check: bool = False) -> bool:
     return False
 
 
-def sync_readme(path: str = "README.md", check: bool = False) -> bool:
-    """Write the key table between the README's markers; with check, only compare."""
+CONFIG_PAGE = "docs/configuration.md"
+
+
+def sync_docs(path: str = CONFIG_PAGE, check: bool = False) -> bool:
+    """Write the key table between the configuration page's markers; with check, only compare."""
     return sync_block(path, "config-table", markdown_table(), check)
 
 
@@ -560,5 +563,5 @@ if __name__ == "__main__":
     import sys
 
     check = "--check" in sys.argv
-    ok = sync_readme(check=check) & sync_helm_schema(check=check)
+    ok = sync_docs(check=check) & sync_helm_schema(check=check)
     sys.exit(0 if ok or not check else 1)

@@ -1,7 +1,7 @@
 """The single list of Prometheus families the connector exports.
 
 `prom.py` builds the metric objects from it, the dashboards and alert rules are checked
-against it, and the README table is generated from it, so a name cannot drift between them.
+against it, and the docs' table (docs/observability.md) is generated from it, so a name cannot drift between them.
 Every family also carries vLLM's own `model_name` and `engine` labels. `cache_prefix` (the
 tenant) is filled in by the frontend from the connector's config, not carried in the stats.
 `known_series` lists the series exported as 0 from startup.
@@ -175,7 +175,7 @@ def known_series(tp_size: int) -> list[str]:
 
 
 def markdown_table() -> str:
-    """The README table of every family."""
+    """The docs' table of every family (docs/observability.md)."""
     rows = ["| name | type | labels | meaning | question it answers |", "|---|---|---|---|---|"]
     for f in FAMILIES:
         labels = ", ".join(("model_name", "engine") + f.labels)
@@ -183,13 +183,17 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def sync_readme(path: str = "README.md", check: bool = False) -> bool:
-    """Write the family table between the README's markers; with check, only compare."""
+METRICS_PAGE = "docs/observability.md"
+
+
+def sync_docs(path: str = METRICS_PAGE, check: bool = False) -> bool:
+    """Write the family table between the observability page's markers; with check, only
+    compare."""
     return sync_block(path, "metric-table", markdown_table(), check)
 
 
 if __name__ == "__main__":
     import sys
 
-    ok = sync_readme(check="--check" in sys.argv)
+    ok = sync_docs(check="--check" in sys.argv)
     sys.exit(0 if ok or "--check" not in sys.argv else 1)
