@@ -26,10 +26,10 @@ def prompt(seed: int, blocks: int = 8) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, master, store_node):
-    """A float32 engine whose every load after the first fits the in-step budget."""
+    """A float32 engine (VllmServer's default) whose every load after the first fits the
+    in-step budget."""
     server = VllmServer(tiny_model, connector_kv_config(engine_extra(
-        master, cache_prefix=PREFIX, load_threads=2, sync_load_ms=1000)),
-        extra_args=("--dtype", "float32")).start()
+        master, cache_prefix=PREFIX, load_threads=2, sync_load_ms=1000))).start()
     yield server
     server.stop()
 
