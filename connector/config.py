@@ -138,8 +138,8 @@ KEYS: tuple[Key, ...] = (
         "loads expected to take at most this long (all of one engine step's together, from "
         "recent transfer times) run inside the step, which waits for them: the request's "
         "prefill runs in that step instead of one or two steps later. Staged transfers only "
-        "(see `staging`); a load still running at 5x this is stopped and recomputed. 0: every "
-        "load is asynchronous (see `docs/benchmark.md`, serving)", lo=0, hi=1000),
+        "(see `staging`); a load still running at 10x this (1 s at least) is stopped and "
+        "recomputed. 0: every load is asynchronous (see `docs/ttft.md`)", lo=0, hi=1000),
     Key("load_early_start", "bool", True,
         "KV caches in host memory: queue a step's asynchronous loads before its forward pass "
         "rather than after it (on CPU the forward runs on the thread that queues them); off "

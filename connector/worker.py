@@ -66,9 +66,11 @@ class _Job:
 
 
 def step_deadline_s(config: ConnectorConfig) -> float:
-    """Deadline of an in-step load: five times the step budget, 0.1 s at least (the watchdog
-    looks every 50 ms), load_timeout_s at most."""
-    return min(config.load_timeout_s, max(0.1, 5 * config.sync_load_ms / 1e3))
+    """Deadline of an in-step load: ten times the step budget and 1 s at least (a host short
+    of CPU makes a load several times slower than the estimate said; expiring it would waste
+    its transfer and a recompute), load_timeout_s at most. Past it the store is in trouble,
+    and the step has waited once: loads stay asynchronous for step_loads.BACKOFF_S."""
+    return min(config.load_timeout_s, max(1.0, 10 * config.sync_load_ms / 1e3))
 
 
 class MooncakeStoreWorker:
