@@ -343,6 +343,10 @@ def _serve_noise(s: dict[str, Any]) -> str:
     loads = [t["loadavg_1m"] for t in s["turns"]]
     text = (f"load average (1 min) at the start of each turn {min(loads):.1f} to "
             f"{max(loads):.1f} on {m['host']['cpus']} CPUs")
+    others = [t["others_cores"] for t in s["turns"] if "others_cores" in t]
+    if others:  # processes outside the benchmark's own (engines, store, client)
+        text += (f", other processes using {statistics.median(others):.2f} cores per turn "
+                 f"(median; at most {max(others):.2f})")
     return text + (": **a noisy run, over the core count; these numbers are not a record, "
                    "re-record on a quiet machine**" if m["noisy"] else " (a quiet run)")
 

@@ -48,6 +48,7 @@ from typing import Any
 from bench.reference_get import ReferenceGet
 from bench.run import TCP_QUEUE_ENV, git_commit
 from bench.serve_stats import breakdown_of, breakdown_rows, evaluate, summarize
+from bench.testbed import OthersMeter
 from bench.tune import save_figure
 from devkit.local_cluster import MooncakeMaster, StoreNode
 from devkit.tiny_model import make_tiny_llama
@@ -314,16 +315,19 @@ class Bench:
                 order = rng.sample(turns, len(turns))
                 for case in order:
                     load = os.getloadavg()[0]
-                    self.turns.append({"round": rnd, "point": pt.name, "case": case,
-                                       "loadavg_1m": round(load, 2)})
+                    others = OthersMeter()
+                    others.start()
                     if case == REFERENCE:
                         m = reference.measure(REFERENCE_REPS)
                         self.reference_ms[pt.name].append(m["median_ms"])
                         self.reference_reps[pt.name].append(m["reps_ms"])
                         print(f"  {REFERENCE:<13} {pt.name:<15} round {rnd}: "
                               f"{m['median_ms']:8.2f} ms, load {load:.1f}", flush=True)
-                        continue
-                    self._turn(case, pt, rnd)
+                    else:
+                        self._turn(case, pt, rnd)
+                    self.turns.append({"round": rnd, "point": pt.name, "case": case,
+                                       "loadavg_1m": round(load, 2),
+                                       "others_cores": others.stop()})
 
     def _turn(self, case: str, pt: LoadPoint, rnd: int) -> None:
         kind = ENGINE_OF[case]
@@ -365,8 +369,9 @@ def format_report(result: dict[str, Any]) -> str:
                          f"[{v['interval'][0]:.2f}, {v['interval'][1]:.2f}] {v['reason']}")
     m = result["meta"]
     lines += ["", f"load average: max {m['host']['loadavg_max']:.1f} on {m['host']['cpus']} "
-                  f"CPUs" + (" -- NOISY run: re-record on a quiet machine" if m["noisy"]
-                             else "")]
+                  f"CPUs; other processes used up to {m['host']['others_cores_max']:.2f} cores "
+                  "in a turn" + (" -- NOISY run: re-record on a quiet machine" if m["noisy"]
+                                 else "")]
     return "\n".join(lines)
 
 
@@ -468,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = evaluate(result)
     loads = [t["loadavg_1m"] for t in bench.turns]
     result["turns"] = bench.turns
-    result["meta"]["host"] |= {"loadavg_end": list(os.getloadavg()), "loadavg_max": max(loads)}
+    result["meta"]["host"] |= {"loadavg_end": list(os.getloadavg()), "loadavg_max": max(loads),
+                               "others_cores_max": max(t["others_cores"] for t in bench.turns)}
     result["meta"]["noisy"] = max(loads) > cpus
     result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(format_report(result))

@@ -111,6 +111,7 @@ def test_serving_benchmark_quick(tmp_path):
             assert s["rounds"] == 2
     assert all(s["itl_p50_ms"] > 0 for s in summary["no-connector"].values())
     # Every round ran every case (and the reference get) once, in a random order.
+    assert all(t["loadavg_1m"] >= 0 and t["others_cores"] >= 0 for t in data["turns"])
     turns = [(t["round"], t["case"]) for t in data["turns"]]
     assert sorted(turns) == sorted((r, c) for r in (0, 1)
                                    for c in ("no-connector", "ours-4t", "reference get"))
