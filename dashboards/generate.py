@@ -122,8 +122,10 @@ def store_ttft_panel() -> P:
 
 
 def store_ttft_phases_panel() -> P:
-    """Mean time per phase of a store hit, stacked: the phases add up to the mean store time."""
-    per_request = f"scalar({rate(series('ttft_store_seconds', '_count'))})"
+    """Mean time per phase of a store hit, stacked: the phases add up to the mean store time.
+    Requests are counted by their lookup phase, which every one has: counting the total by
+    mode would read 0 in a window where only a mode's new series moved (a division by 0)."""
+    per_request = f"scalar({rate(series('ttft_store_phase_seconds', '_count', phase='lookup'))})"
     return P("Where a store hit's TTFT goes (mean per request)", "s", (
         (f"{rate(series('ttft_store_phase_seconds', '_sum'), 'phase')} / {per_request}",
          "{{phase}}"),
