@@ -1,5 +1,6 @@
-"""The benchmark numbers quoted in README.md and the docs site (docs/*.md), rendered from the
-committed JSON files, so that the prose cannot drift from the runs.
+"""The measured numbers quoted in README.md and the docs site (docs/*.md: the benchmark, the
+failover timings), rendered from the committed JSON files, so that the prose cannot drift from
+the runs.
 
 A quoted passage sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; `RENDERERS[NAME]`
 writes it from the JSON. `python -m bench.claims` rewrites every marked passage in place after a
@@ -50,6 +51,14 @@ class Runs:
     @cached_property
     def serve(self) -> dict[str, Any]:
         return self._json("serve.json")
+
+    @cached_property
+    def failover(self) -> dict[str, Any]:
+        return self._json("failover.json")
+
+    @cached_property
+    def frozen(self) -> dict[str, Any]:
+        return self._json("frozen-peer.json")["frozen_get"]
 
     @cached_property
     def demo(self) -> str:
@@ -414,7 +423,117 @@ def readme_serve(r: Runs) -> str:
 """
 
 
+# (phase, timeline fields, what governs it): the failover table, one column per run.
+TIMELINE_ROWS = (
+    ("first store call fails (`-900`, connection reset): the breaker opens", ("first_call_s",),
+     "-"),
+    ("a store call made anyway blocks, then `-900`", ("blocked_call_s",),
+     "the Mooncake client's wait for a leader (not `MC_RPC_TIMEOUT_MS`): the breaker makes "
+     "jobs skip it"),
+    ("etcd names the new leader", ("new_leader_in_etcd_s",),
+     "the old leader's etcd lease (no flag in this release)"),
+    ("the new leader serves", ("new_leader_serving_s",),
+     "leader warm-up (no flag): the new leader publishes its address in etcd when it starts, "
+     "and opens its RPC port when it ends"),
+    ("the connector's breaker closes (store calls resume)", ("breaker_closed_s",),
+     "the probe thread: once etcd names a new leader it connects to its RPC port every 0.1 s, "
+     "then makes one store call"),
+    ("the store node has remounted its segment on the new leader", ("segment_remounted_s",),
+     "the store node's own client: after a failed switch to the warming-up leader it retries "
+     "after 1 s (Mooncake's `LeaderMonitorThreadMain`)"),
+    ("first get of an old object (store hits are back), first put",
+     ("first_old_get_ok_s", "first_put_ok_s"),
+     "until the remount gets answer `-703` and puts `-200`: those jobs fail alone and "
+     "recompute, the breaker stays closed"),
+    ("of which after the new leader serves: the connector's and the store node's part",
+     ("store_hits_after_serving_s",), "the two rows above"),
+)
+
+
+def _secs(run: dict[str, Any], fields: tuple[str, ...]) -> str:
+    return ", ".join(f"{run[f]:.2f}" for f in fields)
+
+
+def failover_timeline(r: Runs) -> str:
+    t = r.failover["timeline"]
+    runs = t["runs"]
+    head = " | ".join(f"run {i + 1}" for i in range(len(runs)))
+    rows = [f"| phase | {head} | what governs it |", "|---" * (len(runs) + 2) + "|"]
+    rows += [f"| {phase} | " + " | ".join(_secs(run, fields) for run in runs) + f" | {why} |"
+             for phase, fields, why in TIMELINE_ROWS]
+    rows.append("| objects readable after the failover | " + " | ".join(
+        f"{run['objects_readable_after']} / {run['objects']}" for run in runs)
+        + " | `--enable_oplog=true` |")
+    rows.append("| load average (1 min) at the kill | " + " | ".join(
+        f"{run['loadavg_1m']:.1f}" for run in runs) + f" | {t['host']}, shared |")
+    return f"""
+Timeline of a leader SIGKILL as the connector's store client sees it (`python -m
+devkit.ha_timeline`, {len(runs)} runs at commit {t['commit']}, Mooncake {t['mooncake']},
+`docs/failover.json` `timeline`; seconds after the kill):
+
+{chr(10).join(rows)}
+"""
+
+
+def _pct_of(after: float, before: float) -> str:
+    return f"{after / before * 100:.0f} % ({after:.0f} of {before:.0f})"
+
+
+def failover_serve(r: Runs) -> str:
+    f = r.failover
+    k, p, fp = f["serve_leader_kill"], f["serve_leader_partition"], f["serve_failed_promotion"]
+    rows = [
+        "| fault | behaviour |", "|---|---|",
+        f"| leader SIGKILLed during a burst of {k['requests']} store-hit requests | "
+        f"{k['failed_requests']} failed requests, outputs identical to an engine without the "
+        f"connector; the burst ends {k['burst_done_after_kill_s']:.2f} s after the kill, "
+        "because jobs fail fast to recompute while no leader serves; the new leader served "
+        f"{k['new_leader_serving_s']:.2f} s after the kill, and store hits were back with the "
+        f"request sent at {k['store_hits_back_s']:.2f} s (the one sent at "
+        f"{k['last_request_without_hit_s']:.2f} s had none); the same prompts then take "
+        f"{_pct_of(k['store_hit_tokens_after'], k['store_hit_tokens_before'])} of the prompt "
+        "tokens from the store that they took before (none re-saved); new prefixes are saved "
+        "and hit; `vllm:mooncake_pool_master_failovers_total` +1, `master_down_seconds_total` "
+        f"+{k['master_down_s']:.2f} s (load average {k['loadavg_1m']:.1f}) |",
+        "| leader partitioned (its link cut in a network namespace: packets vanish, no reset) | "
+        "a call in flight to it waits for its RPC timeout (`store_timeout_s`, 2 s in the "
+        "test), later jobs fail fast: the burst ends "
+        f"{p['burst_done_after_partition_s']:.2f} s after the cut; the same prompts take "
+        f"{p['cache_survival'] * 100:.0f} % of their store tokens again; healed, the old leader "
+        "rejoins as a standby |",
+        "| standby killed | nothing: no failure, every prefix still hits |",
+        "| a promotion that cannot open its RPC port (held by another socket when the leader "
+        f"is SIGKILLed; the master exits with status {fp['exit_statuses'][0]}) | "
+        f"{fp['failed_requests']} failed requests, outputs identical; the slowest request "
+        f"during the outage took {fp['slowest_request_during_outage_s']:.2f} s (recomputed); "
+        "a real Prometheus scraping both masters had the `MooncakeMasterNoServingLeader` "
+        f"expression true {fp['alert_expression_true_s']:.2f} s after the kill; the dev kit's "
+        "supervisor restarted the master once the port was free (the chart: restartPolicy), "
+        f"it served {fp['new_leader_serving_s']:.2f} s after the kill, and store hits were "
+        f"back with the request sent at {fp['store_hits_back_s']:.2f} s (the one sent at "
+        f"{fp['last_request_without_hit_s']:.2f} s had none; load average "
+        f"{fp['loadavg_1m']:.1f}) |",
+    ]
+    return f"""
+In a real `vllm serve` (`tests/e2e/test_ha_failover.py`, commit {k['commit']}, figures in
+`docs/failover.json`; seconds after the fault):
+
+{chr(10).join(rows)}
+"""
+
+
+def frozen_get(r: Runs) -> str:
+    f = r.frozen
+    return (f"measured by `python -m devkit.frozen_peer`: {f['store_node']['code']} after "
+            f"{f['store_node']['seconds']:.1f} s from a frozen store node, "
+            f"{f['master']['code']} after {f['master']['seconds']:.1f} s through a frozen "
+            "master")
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
+    "failover-timeline": failover_timeline,
+    "failover-serve": failover_serve,
+    "frozen-get": frozen_get,
     "readme-headlines": readme_headlines,
     "readme-tracing": readme_tracing,
     "readme-demo": readme_demo,

@@ -107,8 +107,10 @@ KEYS: tuple[Key, ...] = (
     Key("transfer_timeout", "float", None,
         "in-tree field, seconds: Mooncake's own call timeouts (`MC_TCP_STATUS_TIMEOUT_SEC`, "
         "`MC_TRANSFER_TIMEOUT`, `MC_RPC_TIMEOUT_MS`) unless the environment sets them; the only "
-        "bound on zero-copy transfers", lo=0.1, hi=3600, mooncake=True,
-        shown="Mooncake's (30 s)"),
+        "bound on zero-copy transfers, which hold their request's blocks until they return",
+        lo=0.1, hi=3600, mooncake=True,
+        shown="`load_timeout_s` where transfers are zero-copy (`staging: off`, or `auto` on "
+              "GPUs and RDMA), else Mooncake's (30 s)"),
     # Connector keys: extra_config only.
     Key("load_threads", "int", 1,
         "receive threads, 1..64, or `auto`: the connector adapts the number of active threads "
@@ -172,11 +174,15 @@ KEYS: tuple[Key, ...] = (
     Key("store_timeout_s", "float", 5.0, "connect timeout when probing the master at startup",
         lo=0.1, hi=600),
     Key("load_timeout_s", "float", 5.0,
-        "deadline of a load job (queued or running); past it its blocks are load errors and "
-        "vLLM recomputes them", lo=0.1, hi=3600),
+        "deadline of a load job, from its enqueue: a job still queued then never starts, a "
+        "staged one still running is reported, and vLLM recomputes its blocks; a zero-copy get "
+        "writes into the blocks until its call returns, bounded by `transfer_timeout` (this "
+        "value by default); a thread whose own call outlives it is replaced", lo=0.1, hi=3600),
     Key("save_timeout_s", "float", 30.0,
-        "deadline of a save job; past it the request's blocks are released and the save is "
-        "abandoned", lo=0.1, hi=3600),
+        "deadline of a save job, from its enqueue: one that has not read its blocks yet is "
+        "dropped and its request's blocks released; one reading them (a zero-copy put, a staged "
+        "copy) keeps them until the call returns (`transfer_timeout`); a thread whose own call "
+        "outlives it is replaced", lo=0.1, hi=3600),
 )
 BY_NAME = {k.name: k for k in KEYS}
 MOONCAKE_KEYS = tuple(k.name for k in KEYS if k.mooncake)

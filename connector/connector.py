@@ -100,6 +100,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
             tp_rank = vllm_config.parallel_config.rank % tp_size
         self.worker = MooncakeStoreWorker(
             self.config, self.keys, tp_rank, kv_cache_config.num_blocks,
+            kv_on_host=getattr(vllm_config.device_config, "device_type", "cpu") == "cpu",
             zeroes_blocks=getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         self._trace(self.worker, tp_rank, "worker")
         logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "

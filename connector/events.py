@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
+# The thread label of a load job that expired (or was failed at shutdown) before any thread
+# took it: its queue wait and error count, never a thread's.
+QUEUED_THREAD = "queued"
 
 
 def request_hash(req_id: str) -> str:
@@ -27,7 +30,7 @@ def request_hash(req_id: str) -> str:
 class LoadEvent:
     """One finished load job (one request on one TP rank)."""
 
-    thread: int
+    thread: int | None  # the receive thread's slot; None: the job expired before one took it
     tp_rank: int
     request_hash: str  # a digest of the request id: span attribute, never a metric label
     keys: int

@@ -79,7 +79,7 @@ FAMILIES: tuple[Family, ...] = (
            "What bandwidth does each thread achieve?"),
     Family("load_keys", "counter", _T, "Store keys (one per block and TP rank) loaded.",
            "How many blocks does each thread move?"),
-    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error).",
+    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error); thread=\"queued\" counts jobs that expired before any thread took them.",
            "How is work spread across threads, and how much fails?"),
     Family("load_busy_seconds", "counter", _T, "Time a receive thread spent working on jobs; its rate is utilisation.",
            "Are threads saturated or idle?"),
@@ -125,13 +125,15 @@ FAMILIES: tuple[Family, ...] = (
            "Where does a store hit's extra time to first token go?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code"),
-           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (save given up at a preemption or deadline), unavailable (no client), other.",
+           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
     # Master outages and HA failovers, as this rank's store client rode through them.
     Family("master_failovers", "counter", _R, "HA master failovers this rank's store client rode through: its circuit breaker opened on an RPC failure and closed on a different leader.",
            "Did the master group fail over, and did every engine follow the new leader?"),
     Family("master_down_seconds", "counter", _R, "Time this rank's store client had no master answering (circuit breaker open: store jobs fail fast and vLLM recomputes); counted while it lasts.",
            "How long was the cache unavailable during a master outage or failover?"),
+    Family("master_probe_errors", "counter", _R, "Rounds of the circuit breaker's probe that failed with an error (etcd answering garbage, an exception from the store client) instead of finding the master still down; logged, and the probe goes on.",
+           "Is something broken besides the outage itself (etcd, a proxy, the client)?"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}
@@ -148,15 +150,14 @@ TTFT_PHASES = ("lookup", "admit", "load_start", "load_queue", "load_transfer", "
 TTFT_MODES = ("async", "sync")
 # (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
-# pools' watchdog, exception, abandoned, other).
+# pools' watchdog, exception, abandoned, short_read, other).
 _RPC = ("-900", "-901")
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     *(("load", c) for c in ("-704", "-600", "-800", *_RPC, "unavailable", "timeout",
-                            "shutdown", "exception", "other")),
+                            "shutdown", "exception", "other", "short_read")),
     *(("save", c) for c in ("-200", "-800", *_RPC, "unavailable", "timeout", "shutdown",
                             "exception", "abandoned", "other")),
     *(("save_exists", c) for c in _RPC),
-    *(("save_remove", c) for c in (*_RPC, "other")),
     *(("lookup", c) for c in (*_RPC, "unavailable", "exception")),
 )
 
@@ -168,7 +169,8 @@ def known_series(tp_size: int) -> list[str]:
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
-                 f"master_failovers|{rank}", f"master_down_seconds|{rank}"]
+                 f"master_failovers|{rank}", f"master_down_seconds|{rank}",
+                 f"master_probe_errors|{rank}"]
         keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
                  if op != "lookup" or rank == 0]
     return keys

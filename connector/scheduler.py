@@ -4,6 +4,13 @@ Lookups run on a small executor with the scheduler's own store client (no segmen
 engine loop never waits on the master for more than `lookup_wait_ms`; until the answer is in,
 `get_num_new_matched_tokens` returns None and vLLM retries the request next step. A lookup that
 errors or exceeds `lookup_timeout_s` is a miss, never an exception in the engine.
+
+Against a master that is slow but answers, dead lookups must not pile up ahead of live ones: a
+lookup that times out is cancelled if it has not started, one that starts past its deadline
+makes no store call, and a running one stops before its next window (a store call in flight
+cannot be cancelled; Mooncake's RPC timeout bounds it). So the executor holds at most the
+lookups of requests still waiting in vLLM, each costing at most one call past its deadline,
+and `shutdown()` closes the client only after every call still running has returned.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ class _Tracked:
 @dataclass
 class _Lookup:
     future: cf.Future
-    started: float
+    started: float  # perf_counter at submit; the deadline is started + lookup_timeout_s
 
 
 class MooncakeStoreScheduler:
@@ -58,9 +65,12 @@ class MooncakeStoreScheduler:
         self._tp_size = keys.layout.tp_size
         self._block_size = block_size
         self._store = StoreHandle(config.store, 0, LOOKUP_CLIENT_BUFFER,
-                                  config.on_master_unreachable, config.store_timeout_s)
+                                  config.on_master_unreachable, config.store_timeout_s,
+                                  on_probe_error=lambda: self.recorder.count(
+                                      "master_probe_errors", 0))
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
         self._lookups: dict[str, _Lookup] = {}
+        self._abandoned: list[cf.Future] = []  # timed out or finished while running
         self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
@@ -102,9 +112,16 @@ class MooncakeStoreScheduler:
     def _submit(self, rid: str, hashes: Sequence[bytes]) -> _Lookup | None:
         lk = self._lookups.get(rid)
         if lk is None and self._store.ready() is not None:
-            lk = self._lookups[rid] = _Lookup(
-                self._executor.submit(self._lookup, tuple(hashes)), time.perf_counter())
+            now = time.perf_counter()
+            lk = self._lookups[rid] = _Lookup(self._executor.submit(
+                self._lookup, tuple(hashes), now + self.config.lookup_timeout_s), now)
         return lk
+
+    def _drop(self, lk: _Lookup) -> None:
+        """Give a lookup up: cancelled if it has not started, else kept for `shutdown()`
+        until its store call returns (it stops at its next window)."""
+        if not lk.future.cancel() and not lk.future.done():
+            self._abandoned = [f for f in self._abandoned if not f.done()] + [lk.future]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -144,6 +161,7 @@ class MooncakeStoreScheduler:
             if time.perf_counter() - lk.started < self.config.lookup_timeout_s:
                 return None
             del self._lookups[rid]
+            self._drop(lk)
             self.events.lookup(LookupEvent("timeout", 0, 0, len(hashes) * self._block_size,
                                                 time.perf_counter() - lk.started))
             logger.warning("store lookup exceeded lookup_timeout_s=%.3fs; treating as a miss",
@@ -154,13 +172,17 @@ class MooncakeStoreScheduler:
             if lk.future.done():
                 self._lookups.pop(rid, None)
 
-    def _lookup(self, hashes: tuple[bytes, ...]) -> tuple[int, LookupEvent]:
-        """Longest stored prefix, in tokens, and its event. Runs on the lookup executor."""
+    def _lookup(self, hashes: tuple[bytes, ...], deadline: float) -> tuple[int, LookupEvent]:
+        """Longest stored prefix, in tokens, and its event. Runs on the lookup executor; past
+        `deadline` it makes no further store call (a timeout, with the prefix found so far)."""
         t0 = time.perf_counter()
-        found, probed, code = 0, 0, ""
+        found, probed, code, late = 0, 0, "", False
         try:
             window, tp = FIRST_WINDOW, self._tp_size
             while found < len(hashes):
+                if time.perf_counter() >= deadline:
+                    late = True
+                    break
                 chunk = hashes[found:found + window]
                 keys = self._keys.all_rank_keys(chunk)
                 probed += len(keys)
@@ -179,7 +201,7 @@ class MooncakeStoreScheduler:
             logger.warning("store lookup failed (%s); treating as a miss", e)
             found = 0
         hit_tokens = found * self._block_size
-        result = "error" if code else ("hit" if found else "miss")
+        result = "error" if code else "timeout" if late else ("hit" if found else "miss")
         t_end = time.perf_counter()
         return hit_tokens, LookupEvent(result, probed, hit_tokens,
                                        (len(hashes) - found) * self._block_size,
@@ -283,7 +305,7 @@ class MooncakeStoreScheduler:
         self.clock.forget(rid)
         lk = self._lookups.pop(rid, None)
         if lk is not None:
-            lk.future.cancel()
+            self._drop(lk)
         if rid in self._loading:
             self._saved.discard(rid)
             return True, None
@@ -295,8 +317,10 @@ class MooncakeStoreScheduler:
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel queued lookups; close the client once no lookup can still be inside a call
-        on it (at once if the running ones end within `timeout`, else in the background)."""
+        on it, including those given up on (at once if the running ones end within
+        `timeout`, else in the background)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-        running = [lk.future for lk in self._lookups.values() if not lk.future.done()]
+        running = [f for f in (*(lk.future for lk in self._lookups.values()), *self._abandoned)
+                   if not f.done()]
         _, stuck = cf.wait(running, timeout=timeout)
         self._store.close([lambda f=f: cf.wait([f]) for f in stuck])

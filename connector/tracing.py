@@ -12,9 +12,9 @@ off, or the always_off sampler, the subscriber is not even registered.
 Two span writers, same spans, both with the ids the connector's sampler chose (the metrics
 carry them as exemplars):
 - `OtlpWriter` (http/protobuf): encodes the spans straight to OTLP protobuf and posts them over
-  OTLP/HTTP (`connector.otlp_http`), about 30 us of CPU per load job;
-- `SdkWriter` (grpc): through an OpenTelemetry SDK TracerProvider of our own. About 10x the CPU
-  of the OTLP writer.
+  OTLP/HTTP (`connector.otlp_http`), the cheap path;
+- `SdkWriter` (grpc): through an OpenTelemetry SDK TracerProvider of our own, at several times
+  the CPU of the OTLP writer (both per load job: docs/benchmark.md, from the benchmark JSON).
 vLLM installs an SDK provider in every process when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set;
 the connector does not export through it: its sampler (read from the same OTEL_TRACES_SAMPLER)
 would sample the connector's jobs a second time, and it picks its own ids.
@@ -43,7 +43,7 @@ from typing import Any
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
 from connector import otlp_http
-from connector.events import LoadEvent, RequestEvent, SaveEvent, Subscriber
+from connector.events import QUEUED_THREAD, LoadEvent, RequestEvent, SaveEvent, Subscriber
 from connector.sampling import (
     DEFAULT_SAMPLE_RATIO,  # noqa: F401 - re-exported (bench)
     DEFAULT_SAMPLER,
@@ -53,7 +53,7 @@ from connector.sampling import (
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 MAX_PENDING = 16_384  # events waiting for the trace thread (a few seconds at full rate)
 BATCH_INTERVAL_S = 0.1
-YIELD_EVERY = 16  # jobs whose spans are built between GIL yields (about 0.3 ms)
+YIELD_EVERY = 16  # jobs whose spans are built between GIL yields
 
 
 def tracing_enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -306,7 +306,8 @@ class SpanExporter(Subscriber):
         if ev.lookup_sampled:
             phases.append(("master_lookup", ev.t_prepared, ev.t_lookup_end))
         phases.append(("transfer", ev.t_lookup_end, ev.t_end))
-        attrs = {"thread": ev.thread, "tp_rank": ev.tp_rank, "keys": ev.keys,
+        thread = QUEUED_THREAD if ev.thread is None else ev.thread
+        attrs = {"thread": thread, "tp_rank": ev.tp_rank, "keys": ev.keys,
                  "bytes": ev.nbytes, "status": "ok" if ev.ok else "error",
                  "error_code": ev.code, "failed_blocks": ev.failed_blocks,
                  "request_hash": ev.request_hash}

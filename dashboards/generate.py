@@ -205,9 +205,12 @@ def master_ha_row() -> Row:
              f"[$__rate_interval]))", "HA state changes {{instance}}"),
             (f"sum by (pod) (increase({series('master_failovers')}[$__rate_interval]))",
              "ridden through {{pod}}"),
-        ), "State changes of each master's HA state machine (a promotion is several), and "
+            (f"sum by (pod) (increase({series('master_probe_errors')}[$__rate_interval]))",
+             "probe errors {{pod}}"),
+        ), "State changes of each master's HA state machine (a promotion is several), "
            "failovers each engine's store client rode through (its breaker closed on a new "
-           "leader).", width=6),
+           "leader), and rounds of the breaker's probe that failed with an error (etcd "
+           "answering garbage, the client raising; logged, the probe goes on).", width=6),
         P("Time without a master (engines)", "percentunit", (
             (rate(series("master_down_seconds"), _BY_RANK), _RANK),
         ), "Share of time each engine rank's store client had no master answering (breaker "
