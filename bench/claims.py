@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import report, serve_stats
 from bench.autothreads import format_auto
 
 REPO = Path(__file__).resolve().parent.parent
@@ -327,23 +328,42 @@ def readme_demo(r: Runs) -> str:
     return f"\n```\n{r.demo.strip()}\n```\n"
 
 
-def _serve_targets(r: Runs) -> str:
-    mark = {True: "met", False: "**missed**", None: "not measured"}
-    summary = r.serve["summary"]
+_SERVE_MARK = {True: "met", False: "**missed**", None: "**not resolved**"}
 
-    def loads(t: dict[str, Any]) -> str:
-        """The machine's load behind each compared row: ratios between rows run at different
-        loads carry that difference."""
-        cases = [c for c in summary if c in t["target"].replace("best fixed", "ours-1t ours-4t")]
-        pts = {pt: ", ".join(f"{c} {summary[c][pt]['loadavg_1m']:.1f}" for c in cases
-                             if pt in summary[c]) for pt in t["measured"]}
-        return "; ".join(f"{pt}: {v}" for pt, v in pts.items())
 
-    return "\n".join(
-        f"- {t['target']}: "
-        + (", ".join(f"{pt} {v:.2f}x" for pt, v in t["measured"].items()) or "-")
-        + f": {mark[t['met']]}" + (f" (load average {loads(t)})" if t["measured"] else "")
-        for t in r.serve["targets"])
+def _serve_targets(r: Runs, targets_only: bool = False) -> str:
+    """One line per comparison: per load point the median [95 % interval] and, for a target,
+    met / missed / not resolved with the reason (re-judged by the current rules)."""
+    lines = []
+    for t in serve_stats.evaluate(r.serve):
+        if targets_only and t["bound"] is None:
+            continue
+        pts = "; ".join(
+            f"{pt} {v['median']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]"
+            + (f" vs {v['against']}" if "against" in v else "")
+            + (f": {_SERVE_MARK[v['met']]} ({v['reason']})" if t["bound"] is not None else "")
+            for pt, v in t["points"].items())
+        lines.append(f"- {t['target']}: {pts}")
+    return "\n".join(lines)
+
+
+def _serve_noise(s: dict[str, Any]) -> str:
+    m = s["meta"]
+    loads = [t["loadavg_1m"] for t in s["turns"]]
+    text = (f"load average (1 min) at the start of each turn {min(loads):.1f} to "
+            f"{max(loads):.1f} on {m['host']['cpus']} CPUs")
+    others = [t["others_cores"] for t in s["turns"] if "others_cores" in t]
+    if others:  # processes outside the benchmark's own (engines, store, client)
+        text += (f", other processes using {statistics.median(others):.2f} cores per turn "
+                 f"(median; at most {max(others):.2f})")
+    return text + (": **a noisy run, over the core count; these numbers are not a record, "
+                   "re-record on a quiet machine**" if m["noisy"] else " (a quiet run)")
+
+
+def _serve_breakdown(s: dict[str, Any]) -> str:
+    head, *rows = serve_stats.breakdown_rows(s["summary"])
+    return "\n".join("| " + " | ".join(r) + " |"
+                     for r in [head, ["---"] * len(head), *rows])
 
 
 def docs_serve(r: Runs) -> str:
@@ -351,30 +371,44 @@ def docs_serve(r: Runs) -> str:
     m = s["meta"]
     w = m["workload"]
     rows = ["| case | load point | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s | "
-            "prompt tokens from the store | from the local cache | rounds (TTFT p50 range) | "
-            "load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "prompt tokens from the store | from the local cache | rounds (TTFT p50 range) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for case, pts in s["summary"].items():
         for pt, v in pts.items():
             lo, hi = v["ttft_p50_ms_range"]
             rows.append(f"| {case} | {pt} | {v['ttft_p50_ms']:.0f} | {v['ttft_p99_ms']:.0f} | "
                         f"{v['itl_p50_ms']:.1f} | {v['itl_p99_ms']:.1f} | "
                         f"{v['request_throughput']:.2f} | {v['store_hit_tokens']:.0f} | "
-                        f"{v['local_hit_tokens']:.0f} | {v['rounds']} ({lo:.0f}-{hi:.0f}) | "
-                        f"{v['loadavg_1m']:.1f} |")
-    loads = [v["loadavg_1m"] for pts in s["summary"].values() for v in pts.values()]
+                        f"{v['local_hit_tokens']:.0f} | {v['rounds']} ({lo:.0f}-{hi:.0f}) |")
+    points = ", ".join(f"`{p['name']}`" for p in m["load_points"])
+    ref = s["reference"]
+    refs = "; ".join(f"{pt} {statistics.median(v):.1f} ms (rounds {min(v):.1f}-{max(v):.1f})"
+                     for pt, v in ref["per_round_ms"].items())
     return f"""
-Run of {m['date']} ({m['mode']} mode, commit {m['commit']}, {m['wall_s']:.0f} s): a Llama
-with {m['model']['layers']} layers, hidden {m['model']['hidden']}; `prefix_repetition`,
-{w['prompts']} requests of {w['prefix_len']} + {w['suffix_len']} prompt tokens
-({w['distinct_prefixes']} distinct prefixes) and {w['output_len']} output tokens; load points
-{', '.join(f"`{p['name']}`" for p in m['load_points'])}; {m['rounds']} rounds per case and load
-point. Medians over rounds; the last column gives the spread of TTFT p50 over rounds. Load
-average (1 min) at the start of each run, median per row: {min(loads):.1f} to
-{max(loads):.1f}, on {m['host']['cpus']} CPUs shared with other jobs.
+Run of {m['date']} ({m['mode']} mode, commit {m['commit']}, {m['wall_s']:.0f} s,
+`{m['command']}`): a Llama with {m['model']['layers']} layers, hidden {m['model']['hidden']}
+(bfloat16); `prefix_repetition`, {w['prompts']} requests of {w['prefix_len']} +
+{w['suffix_len']} prompt tokens ({w['distinct_prefixes']} distinct prefixes) and
+{w['output_len']} output tokens; load points {points}; {m['rounds']} rounds, the cases in a
+fresh random order in each; {_serve_noise(s)}.
 
 {chr(10).join(rows)}
 
+Reference get of one request's prefix ({ref['blocks']} blocks, {ref['bytes'] / 2**20:.1f} MiB, one
+`batch_get_into` into a registered buffer), median over rounds: {refs}.
+
+Comparisons: the median over rounds of the per-round paired value, [its distribution-free
+{serve_stats.LEVEL:.0%} interval] (a target is met only when the whole interval is on its side,
+missed when the median is not, otherwise not resolved):
+
 {_serve_targets(r)}
+
+Where the store's share of TTFT goes: mean ms per request that loaded from the store, from the
+engines' `ttft_store_*` histograms over all rounds (the phases add up to the store ms; in-step
+loads have no report wait, handoff or reschedule). `ours-4t-async` is the load path before these
+changes (every load asynchronous, queued after the forward pass), `ours-4t` the defaults now:
+
+{_serve_breakdown(s)}
 
 ![TTFT distribution per case](serve-ttft.png)
 """
@@ -382,10 +416,10 @@ average (1 min) at the start of each run, median per row: {min(loads):.1f} to
 
 def readme_serve(r: Runs) -> str:
     return f"""
-  - Serving benchmark (`python -m bench.serve`, vLLM's own `vllm bench serve` client, a fresh
-    engine reading prefixes another engine stored; [table](benchmark.md#serving),
-    [TTFT plot](serve-ttft.png)), targets:
-{chr(10).join('    ' + line for line in _serve_targets(r).splitlines())}
+  - Serving benchmark (`python -m bench.serve`, vLLM's own `vllm bench serve` client, the
+    cases interleaved round by round; [tables and the TTFT breakdown](benchmark.md#serving),
+    [TTFT plot](serve-ttft.png)); {_serve_noise(r.serve)}; targets:
+{chr(10).join('    ' + line for line in _serve_targets(r, True).splitlines())}
 """
 
 

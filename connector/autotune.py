@@ -185,6 +185,8 @@ class ThreadTuner(Subscriber):
     def on_load(self, ev: LoadEvent) -> None:
         if ev.thread is None:  # expired in the queue: no thread's service to measure
             return
+        if ev.thread >= len(self._slots):
+            return  # the in-step load thread (connector.step_loads) is not the pool's
         s = self._slots[ev.thread]
         with self._lock:
             s[0] += 1

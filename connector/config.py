@@ -136,6 +136,16 @@ KEYS: tuple[Key, ...] = (
     Key("staging_buffer_size", "size", 16 * 2**20,
         "staging buffer per receive thread (and one for saves), 4 KiB..1 GiB; a job larger than "
         "it is moved in several calls", lo=4096, hi=2**30, shown="`16MB`"),
+    Key("sync_load_ms", "float", 50.0,
+        "loads expected to take at most this long (all of one engine step's together, from "
+        "recent transfer times) run inside the step, which waits for them: the request's "
+        "prefill runs in that step instead of one or two steps later. Staged transfers only "
+        "(see `staging`); a load still running at 10x this (1 s at least) is stopped and "
+        "recomputed. 0: every load is asynchronous (see `docs/ttft.md`)", lo=0, hi=1000),
+    Key("load_early_start", "bool", True,
+        "KV caches in host memory: queue a step's asynchronous loads before its forward pass "
+        "rather than after it (on CPU the forward runs on the thread that queues them); off "
+        "where vLLM zeroes newly allocated blocks"),
     Key("cache_prefix", "text", "mcpool",
         "key namespace; engines share blocks only within one prefix"),
     Key("model_id", "text", "", "model identity in the key fingerprint",
@@ -282,6 +292,8 @@ class ConnectorConfig:
     load_split_blocks: int = _d("load_split_blocks")
     staging: str = _d("staging")
     staging_buffer_size: int = _d("staging_buffer_size")
+    sync_load_ms: float = _d("sync_load_ms")
+    load_early_start: bool = _d("load_early_start")
     cache_prefix: str = _d("cache_prefix")
     model_id: str = _d("model_id")
     lookup_timeout_s: float = _d("lookup_timeout_s")

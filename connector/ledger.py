@@ -93,6 +93,12 @@ class RequestLedger:
         with self._lock:
             return req_id in self._awaiting_free
 
+    def wait_loaded(self, req_ids: set[str], timeout: float) -> bool:
+        """Block until no load job of these requests is in flight; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not any(self._loads.get(r) for r in req_ids),
+                                       timeout)
+
     # ---- preemption ------------------------------------------------------------------------
     def wait_idle(self, req_ids: tuple[str, ...], timeout: float) -> set[str]:
         """Block until no job of these requests is in flight, or `timeout`; returns those

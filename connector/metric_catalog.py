@@ -118,6 +118,11 @@ FAMILIES: tuple[Family, ...] = (
            "Is staging memory bounded while calls hang?"),
     Family("autotune_errors", "counter", _R, "Windows the load_threads: auto tuner could not judge (logged; tuning goes on).",
            "Is the auto tuner healthy?"),
+    # The store's share of time to first token (scheduler; requests that load from the store).
+    Family("ttft_store_seconds", "histogram", ("mode",), "Time a request that loads from the store spends before its prefill runs: from its arrival at the scheduler until its prefill is scheduled with the loaded prefix; mode async (it waited in WAITING_FOR_REMOTE_KVS) or sync (loaded inside the engine step, which waited for it). Compare with vllm:time_to_first_token_seconds.",
+           "How much time to first token does a store hit cost?"),
+    Family("ttft_store_phase_seconds", "histogram", ("phase",), "The phases of ttft_store_seconds, per request, in order: lookup (arrival to the store lookup's answer), admit (to the load sent to the workers), load_start (to the load queued on the worker), load_queue (to a receive thread taking it), load_transfer (store get and copies), load_report (to vLLM hearing of it, at a step's end), handoff (the rest of the round trip from the scheduler to the workers and back), reschedule (to the prefill scheduled).",
+           "Where does a store hit's extra time to first token go?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code"),
            "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unavailable (no client), other.",
@@ -139,6 +144,10 @@ EXEMPLAR_FAMILIES = ("load_job_seconds", "load_transfer_seconds")
 EXEMPLAR_LABELS = ("trace_id", "span_id")
 
 LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
+# Values of ttft_store_phase_seconds' phase label, in the order a request goes through them.
+TTFT_PHASES = ("lookup", "admit", "load_start", "load_queue", "load_transfer", "load_report",
+               "handoff", "reschedule")
+TTFT_MODES = ("async", "sync")
 # (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
 # pools' watchdog, exception, abandoned, short_read, other).

@@ -27,16 +27,20 @@ from connector.events import LookupEvent, Publisher
 from connector.keys import KeyBuilder
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.stats import StatsRecorder
+from connector.step_loads import StepLoadPolicy
 from connector.store import (
     EXCEPTION_CODE,
     StoreError,
     StoreHandle,
     error_code_label,
 )
+from connector.ttft import LoadTimes, RequestClock
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
-FIRST_WINDOW = 16  # blocks probed by the first batch_is_exist; later windows grow 4x
+# Blocks probed by the first batch_is_exist: one master round trip covers a prefix of up to
+# 2048 tokens at 32 per block. Later windows grow 4x.
+FIRST_WINDOW = 64
 
 
 @dataclass
@@ -70,16 +74,23 @@ class MooncakeStoreScheduler:
         self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
+        self._sync_loads: list[BlockTransfer] = []  # loads the step waits for (step_loads)
+        self._sync: dict[str, bool] = {}  # req_id -> its load goes inside the step
         self._loading: set[str] = set()
         self._saved: set[str] = set()
         self._free_after: list[str] = []
         self.recorder = StatsRecorder()
         self.events = Publisher(self.recorder)
+        self.clock = RequestClock(self.events, self._tp_size)  # where a store hit's TTFT goes
+        self._step_loads = StepLoadPolicy(config.sync_load_ms / 1e3)
         # vLLM asks about every waiting request in one step: the wait for lookups is a budget
         # per step (reset in build_connector_meta), not per request.
         self._step_budget_s = config.lookup_wait_ms / 1e3
         self.step_waited_s = 0.0
         self._keys_ready = False  # until the workers' handshake gives the registered layout
+
+    def add_subscriber(self, sub: Any) -> None:
+        self.events.add(sub)
 
     def set_kv_signature(self, signature: str) -> None:
         """Key lookups by the KV layout the workers registered (their handshake)."""
@@ -95,6 +106,7 @@ class MooncakeStoreScheduler:
     def prefetch(self, request: Any) -> None:
         """Start the lookup when the request arrives, so the scheduler rarely has to wait."""
         if self.config.enable_load and self._keys_ready and self._lookup_range(request) > 0:
+            self.clock.arrived(request.request_id, getattr(request, "trace_headers", None))
             self._submit(request.request_id, request.block_hashes[:self._lookup_range(request)])
 
     def _submit(self, rid: str, hashes: Sequence[bytes]) -> _Lookup | None:
@@ -126,7 +138,10 @@ class MooncakeStoreScheduler:
                 return None, False
             self._hits[rid] = hit
         ext = hit - num_computed_tokens
-        return (ext, True) if ext > 0 else (0, False)
+        if ext <= 0:
+            return 0, False
+        self._sync[rid] = sync = self._step_loads.take(ext // self._block_size)
+        return ext, not sync
 
     def _poll_lookup(self, rid: str, hashes: Sequence[bytes]) -> int | None:
         lk = self._submit(rid, hashes)
@@ -140,6 +155,7 @@ class MooncakeStoreScheduler:
             wait = max(0.0, self._step_budget_s - self.step_waited_s)
             hit_tokens, event = lk.future.result(timeout=wait)
             self.events.lookup(event)  # counted when used, so a timed-out one counts once
+            self.clock.answered(rid, event.t_end)
             return hit_tokens
         except cf.TimeoutError:
             if time.perf_counter() - lk.started < self.config.lookup_timeout_s:
@@ -186,9 +202,10 @@ class MooncakeStoreScheduler:
             found = 0
         hit_tokens = found * self._block_size
         result = "error" if code else "timeout" if late else ("hit" if found else "miss")
+        t_end = time.perf_counter()
         return hit_tokens, LookupEvent(result, probed, hit_tokens,
                                        (len(hashes) - found) * self._block_size,
-                                       time.perf_counter() - t0, code)
+                                       t_end - t0, code, t_end)
 
     # ---- allocation and per-step metadata --------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
@@ -198,9 +215,13 @@ class MooncakeStoreScheduler:
         if num_external_tokens > 0 and rid not in self._loading:
             block_ids = blocks.get_block_ids()[0]
             first, last = (hit - num_external_tokens) // self._block_size, hit // self._block_size
-            self._loads.append(BlockTransfer(
-                rid, tuple(block_ids[first:last]), tuple(request.block_hashes[first:last])))
-            self._loading.add(rid)
+            load = BlockTransfer(
+                rid, tuple(block_ids[first:last]), tuple(request.block_hashes[first:last]))
+            if self._sync.pop(rid, False):
+                self._sync_loads.append(load)  # done before this step's forward
+            else:
+                self._loads.append(load)
+                self._loading.add(rid)
         if self.config.enable_save and rid not in self._tracked:
             self._tracked[rid] = _Tracked(request, saved_upto=hit)
 
@@ -210,6 +231,7 @@ class MooncakeStoreScheduler:
         for rid in preempted:
             self._tracked.pop(rid, None)
             self._hits.pop(rid, None)
+            self.clock.forget(rid)
         for new in so.scheduled_new_reqs:
             tr = self._tracked.get(new.req_id)
             if tr is not None:
@@ -229,9 +251,17 @@ class MooncakeStoreScheduler:
             self._plan_save(tr, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid],
                             saves)
         self.step_waited_s = 0.0  # a new step: a new lookup-wait budget
-        meta = StepMetadata(loads=tuple(self._loads), saves=tuple(saves),
-                            free_after_jobs=tuple(self._free_after), preempted=preempted)
+        now = time.perf_counter()
+        self.clock.scheduled((new.req_id for new in so.scheduled_new_reqs), now)
+        for mode, loads in (("async", self._loads), ("sync", self._sync_loads)):
+            for t in loads:
+                self.clock.sent(t.req_id, mode, len(t.block_ids), now)
+        self._step_loads.new_step()
+        meta = StepMetadata(loads=tuple(self._loads), sync_loads=tuple(self._sync_loads),
+                            saves=tuple(saves), free_after_jobs=tuple(self._free_after),
+                            preempted=preempted)
         self._loads.clear()
+        self._sync_loads.clear()
         self._free_after.clear()
         return meta
 
@@ -250,6 +280,11 @@ class MooncakeStoreScheduler:
 
     # ---- completion ------------------------------------------------------------------------
     def update_connector_output(self, output: Any) -> None:
+        self.clock.seen_done(output.finished_recving or (), time.perf_counter())
+        times = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(times, LoadTimes):
+            self._step_loads.observe(times)
+            self.clock.worker_times(times)
         for rid in output.finished_recving or ():
             self._loading.discard(rid)
             # A request comes back to the lookup only if its load failed and vLLM recomputes
@@ -266,6 +301,8 @@ class MooncakeStoreScheduler:
         rid = request.request_id
         self._hits.pop(rid, None)
         self._tracked.pop(rid, None)
+        self._sync.pop(rid, None)
+        self.clock.forget(rid)
         lk = self._lookups.pop(rid, None)
         if lk is not None:
             self._drop(lk)

@@ -27,8 +27,15 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from connector.events import QUEUED_THREAD, LoadEvent, LookupEvent, SaveEvent, Subscriber
-from connector.metric_catalog import BY_KEY, EXEMPLAR_FAMILIES, Family
+from connector.events import (
+    QUEUED_THREAD,
+    LoadEvent,
+    LookupEvent,
+    RequestEvent,
+    SaveEvent,
+    Subscriber,
+)
+from connector.metric_catalog import BY_KEY, EXEMPLAR_FAMILIES, TTFT_MODES, TTFT_PHASES, Family
 
 SAMPLE_CAP = 1024  # histogram samples per key per step; counters stay exact past it
 EXEMPLAR_CAP = 4  # exemplars per key per step (Prometheus keeps the latest per bucket)
@@ -130,7 +137,8 @@ class PooledStoreStats(KVConnectorStats):
         for k, v in self.data.get("x", {}).items():
             samples[family_of(k)].extend(e[0] for e in v)
         for fam in ("load_queue_wait_seconds", "load_prepare_seconds",
-                    "load_master_lookup_seconds", "load_transfer_seconds", "lookup_seconds"):
+                    "load_master_lookup_seconds", "load_transfer_seconds", "lookup_seconds",
+                    "ttft_store_seconds"):
             vals = sorted(samples.get(fam, ()))
             if vals:
                 name = fam.removesuffix("_seconds")
@@ -174,6 +182,8 @@ class StatsRecorder(Subscriber):
         self._rkeys = {f: stat_key(f, tp_rank) for f in (
             "load_error_blocks", "save_ready_wait_seconds", "save_put_seconds", "save_bytes",
             "save_keys", "save_skipped_keys")}
+        self._ttft_keys = {m: stat_key("ttft_store_seconds", m) for m in TTFT_MODES} | {
+            p: stat_key("ttft_store_phase_seconds", p) for p in TTFT_PHASES}
 
     def _sample(self, key: str, value: float) -> None:
         s = self._h[key]
@@ -254,6 +264,13 @@ class StatsRecorder(Subscriber):
             self._c["lookup_miss_tokens"] += ev.miss_tokens
             if ev.code:
                 self._c[stat_key("failures", self._rank, "lookup", ev.code)] += 1
+
+    def on_request(self, ev: RequestEvent) -> None:
+        k = self._ttft_keys
+        with self._lock:
+            self._sample(k[ev.mode], ev.seconds)
+            for phase, seconds in ev.phases:
+                self._sample(k[phase], seconds)
 
     def current_gauges(self) -> dict[str, int]:
         """The gauge series as the next poll would send them (peaks are consumed)."""

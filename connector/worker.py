@@ -4,6 +4,9 @@
   `RecvPool` of N threads (N = VLLM_MOONCAKE_LOAD_RECV_THREADS) runs them. A job that fails in
   any way, or outlives `load_timeout_s`, reports its block ids as load errors *before* the
   request is reported finished, so vLLM recomputes them; no request is ever left unfinished.
+  On host-memory caches `begin_step` queues them before the step's forward. Loads the
+  scheduler put inside the step (`connector.step_loads`) run on a pool of one thread of their
+  own, with a short deadline, and `start_load` returns once they are done or expired.
 - Saves: `start_save` queues one job per request with new full blocks; a pool of one save
   thread writes them (skipping keys the store already holds), each within `save_timeout_s`.
 - Block lifetime (`ledger.RequestLedger`): a request's blocks go back to vLLM (finished_sending
@@ -24,15 +27,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber
+from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber, request_hash
 from connector.keys import KeyBuilder, kv_signature
 from connector.kv_regions import BlockRegions, compute_regions
 from connector.ledger import RequestLedger
@@ -51,15 +55,11 @@ from connector.store import (
     apply_transfer_timeout,
     error_code_label,
 )
+from connector.ttft import LoadClock, LoadTimes
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 PREEMPTION_LOG_S = 5.0  # a preemption still waiting for a call that reads its blocks says so
 SHUTDOWN_WAIT_S = 1.0  # for jobs inside a store call at shutdown; then the client closes later
-
-
-def request_hash(req_id: str) -> str:
-    """A short stable digest of a request id, for span attributes and logs (never labels)."""
-    return hashlib.blake2b(req_id.encode(), digest_size=8).hexdigest()
 
 
 def zero_copy_expected(config: ConnectorConfig, kv_on_host: bool) -> bool:
@@ -80,9 +80,19 @@ class _Job:
     released: bool = False  # a save: its blocks are no longer needed (guarded by _release_lock)
 
 
+def step_deadline_s(config: ConnectorConfig) -> float:
+    """Deadline of an in-step load: ten times the step budget and 1 s at least (a host short
+    of CPU makes a load several times slower than the estimate said; expiring it would waste
+    its transfer and a recompute), load_timeout_s at most. Past it the store is in trouble,
+    and the step has waited once: loads stay asynchronous for step_loads.BACKOFF_S."""
+    return min(config.load_timeout_s, max(1.0, 10 * config.sync_load_ms / 1e3))
+
+
 class MooncakeStoreWorker:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, tp_rank: int,
-                 num_blocks: int, kv_on_host: bool = True) -> None:
+                 num_blocks: int, kv_on_host: bool = True, zeroes_blocks: bool = False) -> None:
+        """`zeroes_blocks`: vLLM zeroes newly allocated blocks at the start of a step (its
+        KV cache config's needs_kv_cache_zeroing), so no load may start before that."""
         self.config = config
         self.tp_rank = tp_rank
         self._keys = keys
@@ -106,8 +116,11 @@ class MooncakeStoreWorker:
         self.ledger = RequestLedger()
         self._release_lock = threading.Lock()
         self._saves_failing = False  # the last save ended in a store error
-        self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads)
-        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges,
+        # In-step loads (connector.step_loads) run on a thread of their own, labelled
+        # thread=load_threads, whose deadline bounds how long a step waits for them.
+        self._step_thread = config.load_threads
+        self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads + 1)
+        self.recorder = StatsRecorder(tp_rank, config.load_threads + 1, self._gauges,
                                       self._master_outage)
         self.pool: RecvPool[_Job] = RecvPool(
             config.load_threads, self._load, active=1 if config.load_threads_auto else None,
@@ -118,7 +131,19 @@ class MooncakeStoreWorker:
             1, self._save_job, name="mcpool-save", deadline_s=config.save_timeout_s,
             on_expire=self._save_expired, on_retire=self._release_stager,
             on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "save"))
-        self.events = Publisher(self.recorder)
+        self.step_pool: RecvPool[_Job] | None = RecvPool(
+            1, lambda job, _slot, ticket: self._load(job, self._step_thread, ticket),
+            name="mcpool-step", deadline_s=step_deadline_s(config),
+            on_expire=lambda job, reason, slot: self._load_expired(
+                job, reason, None if slot is None else self._step_thread),
+            on_retire=self._release_stager,
+            on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "load"),
+        ) if config.sync_load_ms > 0 else None
+        self._in_step: set[str] = set()  # in-step loads: never reported in finished_recving
+        self._early_start = config.load_early_start and not zeroes_blocks
+        self._early_meta: StepMetadata | None = None  # whose async loads begin_step queued
+        self.load_clock = LoadClock()  # where a store hit's TTFT goes (connector.ttft)
+        self.events = Publisher(self.recorder, self.load_clock)
         if config.load_threads_auto:
             from connector.autotune import ThreadTuner
 
@@ -142,6 +167,8 @@ class MooncakeStoreWorker:
             # Single-region blocks in host memory: zero-copy after all. The TCP transport
             # reads these variables when it first connects to a peer, which is after this.
             apply_transfer_timeout(self.config.load_timeout_s)
+        self.load_clock.in_step = self.step_pool is not None and self._staged
+        self._early_start = self._early_start and not self._regions.on_cuda
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
         logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
                     "threads, %s", len(self._regions.sizes), self._regions.block_bytes,
@@ -200,13 +227,47 @@ class MooncakeStoreWorker:
     def _context(self) -> Any:
         return self._get_context() if self._get_context is not None else None
 
-    def start_load(self, meta: StepMetadata) -> None:
+    def begin_step(self, meta: StepMetadata) -> None:
+        """The step's metadata, before its forward pass. On host-memory KV caches the forward
+        runs on this thread and `start_load` comes after it, so asynchronous loads are queued
+        here instead (`load_early_start`), unless vLLM zeroes new blocks first."""
         now = time.perf_counter()
+        self.load_clock.received((t.req_id for t in (*meta.loads, *meta.sync_loads)), now)
+        if self._early_start and meta.loads:
+            self._queue_loads(meta.loads, self.pool, now)
+            self._early_meta = meta
+
+    def start_load(self, meta: StepMetadata) -> None:
+        if meta.loads and self._early_meta is not meta:
+            self._queue_loads(meta.loads, self.pool, time.perf_counter())
+        self._early_meta = None
+        if meta.sync_loads:
+            self._load_in_step(meta.sync_loads)
+
+    def _queue_loads(self, transfers: Sequence[BlockTransfer], pool: RecvPool[_Job],
+                     now: float) -> set[str]:
         ctx = self._context()
-        parts = [p for t in meta.loads for p in t.split(self.config.load_split_blocks)]
+        split = self.config.load_split_blocks if pool is self.pool else 0
+        parts = [p for t in transfers for p in t.split(split)]
         self.ledger.add_loads(p.req_id for p in parts)
+        self.load_clock.queued(Counter(p.req_id for p in parts), now)
         for p in parts:
-            self.pool.submit(_Job(p, now, ctx))
+            pool.submit(_Job(p, now, ctx))
+        return {p.req_id for p in parts}
+
+    def _load_in_step(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Loads of requests this step's forward computes: the step waits for them. A load
+        still running at the in-step deadline is expired: its blocks become load errors, which
+        vLLM reads in this step's output, discarding what the step computed from them and
+        recomputing them; an expired staged load copies nothing more into the cache. The wait
+        ends only once no job can still copy (the watchdog lets a copy under way finish)."""
+        ids = {t.req_id for t in transfers}
+        self._in_step |= ids
+        self._queue_loads(transfers, self.step_pool or self.pool, time.perf_counter())
+        while not self.ledger.wait_loaded(ids, step_deadline_s(self.config) + 1.0):
+            logger.warning("an in-step load is still running past its deadline (a copy into "
+                           "the KV cache under way?); the step waits for it")
+        self.load_clock.reported(ids, time.perf_counter(), in_step=True)
 
     def start_save(self, meta: StepMetadata) -> None:
         if not meta.saves:
@@ -257,7 +318,18 @@ class MooncakeStoreWorker:
             # saves fail or hang, drop the ones that have not started instead.
             self.save_pool.drop(lambda j: self.ledger.awaiting_free(j.transfer.req_id),
                                 ABANDONED_CODE, running=False)
-        return self.ledger.take_finished()
+        sending, recving = self.ledger.take_finished()
+        if recving:
+            in_step = recving & self._in_step  # their requests run already: not vLLM's news
+            self._in_step -= in_step
+            recving = (recving - in_step) or None
+            if recving:
+                self.load_clock.reported(recving, time.perf_counter())
+        return sending, recving
+
+    def take_load_times(self) -> LoadTimes | None:
+        """This step's finished loads, timed, for the scheduler (build_connector_worker_meta)."""
+        return self.load_clock.take()
 
     def get_load_errors(self) -> set[int]:
         return self.ledger.take_load_errors()
@@ -269,7 +341,9 @@ class MooncakeStoreWorker:
             load_queue_depth=depth, save_queue_depth=self.save_pool.depth(),
             recv_threads=self.pool.size, recv_threads_active=self.pool.active,
             load_inflight=tuple(busy),
-            threads_stuck={"load": self.pool.stuck, "save": self.save_pool.stuck},
+            threads_stuck={"load": self.pool.stuck + (self.step_pool.stuck if self.step_pool
+                                                      else 0),
+                           "save": self.save_pool.stuck},
             staging_buffers=self.staging_buffers,
             layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
                     "staged" if self._staged else "multibuffer") if self._regions else None)
@@ -434,7 +508,8 @@ class MooncakeStoreWorker:
         if self._closed:
             return
         self._closed = True
-        stuck = self.pool.close(SHUTDOWN_WAIT_S) + self.save_pool.close(SHUTDOWN_WAIT_S)
+        stuck = self.pool.close(SHUTDOWN_WAIT_S) + self.save_pool.close(SHUTDOWN_WAIT_S) + (
+            self.step_pool.close(SHUTDOWN_WAIT_S) if self.step_pool else [])
         for sub in self.events.subscribers:
             if hasattr(sub, "shutdown"):
                 sub.shutdown()
