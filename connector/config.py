@@ -108,8 +108,10 @@ KEYS: tuple[Key, ...] = (
     Key("transfer_timeout", "float", None,
         "in-tree field, seconds: Mooncake's own call timeouts (`MC_TCP_STATUS_TIMEOUT_SEC`, "
         "`MC_TRANSFER_TIMEOUT`, `MC_RPC_TIMEOUT_MS`) unless the environment sets them; the only "
-        "bound on zero-copy transfers", lo=0.1, hi=3600, mooncake=True,
-        shown="Mooncake's (30 s)"),
+        "bound on zero-copy transfers, which hold their request's blocks until they return",
+        lo=0.1, hi=3600, mooncake=True,
+        shown="`load_timeout_s` where transfers are zero-copy (`staging: off`, or `auto` on "
+              "GPUs and RDMA), else Mooncake's (30 s)"),
     # Connector keys: extra_config only.
     Key("load_threads", "int", 1,
         "receive threads, 1..64, or `auto`: the connector adapts the number of active threads "
@@ -135,6 +137,16 @@ KEYS: tuple[Key, ...] = (
     Key("staging_buffer_size", "size", 16 * 2**20,
         "staging buffer per receive thread (and one for saves), 4 KiB..1 GiB; a job larger than "
         "it is moved in several calls", lo=4096, hi=2**30, shown="`16MB`"),
+    Key("sync_load_ms", "float", 50.0,
+        "loads expected to take at most this long (all of one engine step's together, from "
+        "recent transfer times) run inside the step, which waits for them: the request's "
+        "prefill runs in that step instead of one or two steps later. Staged transfers only "
+        "(see `staging`); a load still running at 10x this (1 s at least) is stopped and "
+        "recomputed. 0: every load is asynchronous (see `docs/ttft.md`)", lo=0, hi=1000),
+    Key("load_early_start", "bool", True,
+        "KV caches in host memory: queue a step's asynchronous loads before its forward pass "
+        "rather than after it (on CPU the forward runs on the thread that queues them); off "
+        "where vLLM zeroes newly allocated blocks"),
     Key("cache_prefix", "text", "mcpool",
         "key namespace; engines share blocks only within one prefix"),
     Key("model_id", "text", "", "model identity in the key fingerprint",
@@ -163,11 +175,15 @@ KEYS: tuple[Key, ...] = (
     Key("store_timeout_s", "float", 5.0, "connect timeout when probing the master at startup",
         lo=0.1, hi=600),
     Key("load_timeout_s", "float", 5.0,
-        "deadline of a load job (queued or running); past it its blocks are load errors and "
-        "vLLM recomputes them", lo=0.1, hi=3600),
+        "deadline of a load job, from its enqueue: a job still queued then never starts, a "
+        "staged one still running is reported, and vLLM recomputes its blocks; a zero-copy get "
+        "writes into the blocks until its call returns, bounded by `transfer_timeout` (this "
+        "value by default); a thread whose own call outlives it is replaced", lo=0.1, hi=3600),
     Key("save_timeout_s", "float", 30.0,
-        "deadline of a save job; past it the request's blocks are released and the save is "
-        "abandoned", lo=0.1, hi=3600),
+        "deadline of a save job, from its enqueue: one that has not read its blocks yet is "
+        "dropped and its request's blocks released; one reading them (a zero-copy put, a staged "
+        "copy) keeps them until the call returns (`transfer_timeout`); a thread whose own call "
+        "outlives it is replaced", lo=0.1, hi=3600),
     # Tenants and the disk tier (docs/tenants.md, docs/disk-tier.md).
     Key("tenant_id", "text", DEFAULT_TENANT, "in-tree field: the Mooncake tenant of this "
         "engine's store client (its key namespace and, on a master with "
@@ -375,6 +391,8 @@ class ConnectorConfig:
     load_split_blocks: int = _d("load_split_blocks")
     staging: str = _d("staging")
     staging_buffer_size: int = _d("staging_buffer_size")
+    sync_load_ms: float = _d("sync_load_ms")
+    load_early_start: bool = _d("load_early_start")
     cache_prefix: str = _d("cache_prefix")
     model_id: str = _d("model_id")
     lookup_timeout_s: float = _d("lookup_timeout_s")

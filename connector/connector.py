@@ -23,7 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConfigError, load_config
 from connector.keys import KeyBuilder, layout_from_vllm
-from connector.metadata import LayoutReport, StepMetadata
+from connector.metadata import StepMetadata, WorkerReport
 from connector.plugin import register
 from connector.stats import PooledStoreStats
 from connector.store import StoreUnavailable
@@ -73,6 +73,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
 
                 self.scheduler = MooncakeStoreScheduler(self.config, self.keys,
                                                         vllm_config.cache_config.block_size)
+                self._trace(self.scheduler, 0, "scheduler")
             else:
                 self._start_worker(vllm_config, kv_cache_config)
         except StoreUnavailable as e:
@@ -91,20 +92,27 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
         except Exception:  # noqa: BLE001 - not initialised (e.g. unit tests): derive it
             tp_rank = vllm_config.parallel_config.rank % tp_size
-        self.worker = MooncakeStoreWorker(self.config, self.keys, tp_rank,
-                                          kv_cache_config.num_blocks)
+        self.worker = MooncakeStoreWorker(
+            self.config, self.keys, tp_rank, kv_cache_config.num_blocks,
+            kv_on_host=getattr(vllm_config.device_config, "device_type", "cpu") == "cpu",
+            zeroes_blocks=getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+        self._trace(self.worker, tp_rank, "worker")
+        logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
+                    "keys %s", tp_rank, tp_size,
+                    f"auto 1..{self.config.load_threads}" if self.config.load_threads_auto
+                    else self.config.load_threads, self.keys.fingerprint)
+
+    def _trace(self, side: Any, tp_rank: int, kind: str) -> None:
+        """Add a span exporter to a side's events when tracing is on (the worker's exemplars
+        come from its recorder; the scheduler traces the requests that loaded from the store)."""
         from connector.sampling import TraceSampler
         from connector.tracing import SpanExporter, tracing_enabled
 
         if tracing_enabled():
             sampler = TraceSampler.configured(self.config.trace_sample_ratio)
             if not sampler.never:
-                self.worker.add_subscriber(SpanExporter(
-                    sampler, tp_rank, "worker", on_traced=self.worker.recorder.traced_load))
-        logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
-                    "keys %s", tp_rank, tp_size,
-                    f"auto 1..{self.config.load_threads}" if self.config.load_threads_auto
-                    else self.config.load_threads, self.keys.fingerprint)
+                traced = side.recorder.traced_load if kind == "worker" else None
+                side.add_subscriber(SpanExporter(sampler, tp_rank, kind, on_traced=traced))
 
     # ---- classmethods used by vLLM at config time and in the API server -------------------
     @classmethod
@@ -144,9 +152,6 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        report = connector_output.kv_connector_worker_meta
-        if isinstance(report, LayoutReport):
-            self.scheduler.add_layout(report.signatures)
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]
@@ -157,17 +162,11 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register_kv_caches(kv_caches, _attn_backend_names(self._vllm_config))
 
-    def build_connector_worker_meta(self) -> LayoutReport | None:
-        """The registered KV layout, while the scheduler asks for it (see LayoutReport)."""
-        meta = self._connector_metadata
-        if (self.worker is None or not isinstance(meta, StepMetadata) or not meta.need_layout
-                or not self.worker.kv_signature):
-            return None
-        return LayoutReport({self.worker.tp_rank: self.worker.kv_signature})
-
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called before every step's forward, with the step's metadata."""
         assert isinstance(kv_connector_metadata, StepMetadata)
         self.worker.wait_preempted(kv_connector_metadata)
+        self.worker.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -193,6 +192,15 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_load_errors()
+
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        """For the scheduler, after the step: the registered KV layout while it asks for it
+        (StepMetadata.need_layout), and the step's finished loads, timed (connector.ttft)."""
+        meta, w = self._connector_metadata, self.worker
+        layout = {w.tp_rank: w.kv_signature} if (isinstance(meta, StepMetadata)
+                                                 and meta.need_layout and w.kv_signature) else {}
+        times = w.take_load_times()
+        return WorkerReport(layout, times) if layout or times is not None else None
 
     # ---- both ------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

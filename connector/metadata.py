@@ -6,6 +6,7 @@ scheduler keeps mutating its own lists while worker threads read these.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -47,6 +48,8 @@ class StepMetadata(KVConnectorMetadata):
     """One scheduler step's instructions for every worker rank."""
 
     loads: tuple[BlockTransfer, ...] = ()
+    # Loads this step's forward waits for (their requests are scheduled in it: step_loads).
+    sync_loads: tuple[BlockTransfer, ...] = ()
     saves: tuple[BlockTransfer, ...] = ()
     # Requests whose blocks vLLM keeps until every rank reports them in finished_sending,
     # because a save or a load for them may still touch their blocks.
@@ -55,21 +58,27 @@ class StepMetadata(KVConnectorMetadata):
     # handle_preemptions waits for their in-flight saves first.
     preempted: tuple[str, ...] = ()
     # The scheduler does not know the workers' KV layout yet: each worker answers with a
-    # LayoutReport in this step's output.
+    # WorkerReport in this step's output.
     need_layout: bool = False
 
 
 @dataclass
-class LayoutReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the KV layout signature each TP rank registered, so scheduler
-    lookups use the same store keys as the workers' loads and saves.
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after a step: the KV layout signature each TP rank registered (while
+    the scheduler asks for it, so its lookups use the workers' store keys), and the step's
+    finished loads, timed (`connector.ttft.LoadTimes`).
 
-    It travels as worker metadata rather than handshake metadata: vLLM's MultiConnector hands
-    the scheduler only the first non-None handshake of its members, but forwards each member's
-    worker metadata to that member, in any position."""
+    The layout travels as worker metadata rather than handshake metadata: vLLM's MultiConnector
+    hands the scheduler only the first non-None handshake of its members, but forwards each
+    member's worker metadata to that member, in any position."""
 
-    signatures: dict[int, str]  # tp rank -> kv_signature
+    layout: dict[int, str]  # tp rank -> kv_signature; empty once the scheduler has it
+    load_times: Any = None  # LoadTimes or None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, LayoutReport)
-        return LayoutReport({**self.signatures, **other.signatures})
+        if not isinstance(other, WorkerReport):
+            return self
+        times = other.load_times if self.load_times is None else \
+            self.load_times if other.load_times is None else \
+            self.load_times.aggregate(other.load_times)
+        return WorkerReport({**self.layout, **other.layout}, times)

@@ -80,7 +80,7 @@ FAMILIES: tuple[Family, ...] = (
            "What bandwidth does each thread achieve?"),
     Family("load_keys", "counter", _T, "Store keys (one per block and TP rank) loaded.",
            "How many blocks does each thread move?"),
-    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error).",
+    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error); thread=\"queued\" counts jobs that expired before any thread took them.",
            "How is work spread across threads, and how much fails?"),
     Family("load_busy_seconds", "counter", _T, "Time a receive thread spent working on jobs; its rate is utilisation.",
            "Are threads saturated or idle?"),
@@ -119,15 +119,22 @@ FAMILIES: tuple[Family, ...] = (
            "Is staging memory bounded while calls hang?"),
     Family("autotune_errors", "counter", _R, "Windows the load_threads: auto tuner could not judge (logged; tuning goes on).",
            "Is the auto tuner healthy?"),
+    # The store's share of time to first token (scheduler; requests that load from the store).
+    Family("ttft_store_seconds", "histogram", ("mode",), "Time a request that loads from the store spends before its prefill runs: from its arrival at the scheduler until its prefill is scheduled with the loaded prefix; mode async (it waited in WAITING_FOR_REMOTE_KVS) or sync (loaded inside the engine step, which waited for it). Compare with vllm:time_to_first_token_seconds.",
+           "How much time to first token does a store hit cost?"),
+    Family("ttft_store_phase_seconds", "histogram", ("phase",), "The phases of ttft_store_seconds, per request, in order: lookup (arrival to the store lookup's answer), admit (to the load sent to the workers), load_start (to the load queued on the worker), load_queue (to a receive thread taking it), load_transfer (store get and copies), load_report (to vLLM hearing of it, at a step's end), handoff (the rest of the round trip from the scheduler to the workers and back), reschedule (to the prefill scheduled).",
+           "Where does a store hit's extra time to first token go?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code", "tenant"),
-           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (save given up at a preemption or deadline), unavailable (no client), other.",
+           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
     # Master outages and HA failovers, as this rank's store client rode through them.
     Family("master_failovers", "counter", _R, "HA master failovers this rank's store client rode through: its circuit breaker opened on an RPC failure and closed on a different leader.",
            "Did the master group fail over, and did every engine follow the new leader?"),
     Family("master_down_seconds", "counter", _R, "Time this rank's store client had no master answering (circuit breaker open: store jobs fail fast and vLLM recomputes); counted while it lasts.",
            "How long was the cache unavailable during a master outage or failover?"),
+    Family("master_probe_errors", "counter", _R, "Rounds of the circuit breaker's probe that failed with an error (etcd answering garbage, an exception from the store client) instead of finding the master still down; logged, and the probe goes on.",
+           "Is something broken besides the outage itself (etcd, a proxy, the client)?"),
     # The disk tier (tier_metrics, on with enable_offload): what each tier served.
     Family("load_tier_tokens", "counter", ("tp_rank", "tier", "tenant"), "Prompt tokens loaded from the store, by the tier that held their blocks (memory, disk; unknown: the master named no replica just before the get). Every rank loads its share of the same tokens: read one rank.",
            "How much of the prefill does the disk tier serve?"),
@@ -144,17 +151,20 @@ EXEMPLAR_LABELS = ("trace_id", "span_id")
 
 LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
 TIERS = ("memory", "disk", "unknown")
+# Values of ttft_store_phase_seconds' phase label, in the order a request goes through them.
+TTFT_PHASES = ("lookup", "admit", "load_start", "load_queue", "load_transfer", "load_report",
+               "handoff", "reschedule")
+TTFT_MODES = ("async", "sync")
 # (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
-# pools' watchdog, exception, abandoned, other).
+# pools' watchdog, exception, abandoned, short_read, other).
 _RPC = ("-900", "-901")
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     *(("load", c) for c in ("-704", "-600", "-800", *_RPC, "unavailable", "timeout",
-                            "shutdown", "exception", "other", "-10")),
+                            "shutdown", "exception", "other", "short_read", "-10")),
     *(("save", c) for c in ("-200", "-800", *_RPC, "unavailable", "timeout", "shutdown",
                             "exception", "abandoned", "other", "-1700", "-1701")),
     *(("save_exists", c) for c in _RPC),
-    *(("save_remove", c) for c in (*_RPC, "other")),
     *(("lookup", c) for c in (*_RPC, "unavailable", "exception")),
 )
 
@@ -167,7 +177,8 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
-                 f"master_failovers|{rank}", f"master_down_seconds|{rank}"]
+                 f"master_failovers|{rank}", f"master_down_seconds|{rank}",
+                 f"master_probe_errors|{rank}"]
         keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
                  if op != "lookup" or rank == 0]
         keys += [f"load_tier_{what}|{rank}|{tier}" for what in ("tokens", "bytes")

@@ -72,13 +72,13 @@ class BlockStager:
             view.index_copy_(0, idx, src[:, a:b])
 
     def get(self, client: Any, keys: list[str], block_ids: list[int],
-            writing: Callable[[], AbstractContextManager[bool]], per_call: int = 0
+            touching: Callable[[], AbstractContextManager[bool]], per_call: int = 0
             ) -> list[int]:
         """Get into the buffer a buffer-full (or `per_call` blocks, if fewer) at a time and
         scatter the blocks that arrived whole; per-key results as the store's multi-buffer get
         returns them.
 
-        `writing()` guards each scatter (the only write into the KV cache): when it yields
+        `touching()` guards each scatter (the only write into the KV cache): when it yields
         False the job has expired, its blocks belong to vLLM again, and the get stops."""
         results: list[int] = []
         step = min(self.capacity, per_call) if per_call else self.capacity
@@ -87,7 +87,7 @@ class BlockStager:
             res = client.batch_get_into(keys[i:i + n], self.addresses[:n], self.sizes[:n])
             ids = block_ids[i:i + n]
             ok = [j for j, r in enumerate(res) if r == self.block_bytes]
-            with writing() as allowed:
+            with touching() as allowed:
                 if not allowed:
                     return results
                 if len(ok) == len(res):
@@ -98,17 +98,36 @@ class BlockStager:
         return results
 
     def put(self, client: Any, keys: list[str], block_ids: list[int],
-            replicate: Any = None) -> list[int]:
-        """Gather and put a buffer-full at a time; per-key results of `batch_put_from`."""
+            reading: Callable[[], AbstractContextManager[bool]], replicate: Any = None
+            ) -> list[int]:
+        """Gather and put a buffer-full at a time; per-key results of `batch_put_from`, or []
+        when `reading()` yields False (the job expired: it must not read the blocks).
+
+        The KV blocks are read only inside one `reading()`, from the first gather to the
+        last: the puts of earlier chunks run inside it, since a later chunk must never be
+        gathered from blocks vLLM took back meanwhile. The last chunk's put reads only the
+        staging buffer (for a job that fits the buffer, the only put), so the job may be
+        expired during it without harm."""
         results: list[int] = []
-        for i in range(0, len(keys), self.capacity):
-            ids = block_ids[i:i + self.capacity]
-            n = len(ids)
-            self.gather(ids)
-            args = (keys[i:i + n], self.addresses[:n], self.sizes[:n])
-            results.extend(client.batch_put_from(*args, replicate) if replicate is not None
-                           else client.batch_put_from(*args))
+        step = self.capacity
+        if not keys:
+            return results
+        with reading() as ok:
+            if not ok:
+                return results
+            for i in range(0, len(keys), step):
+                self.gather(block_ids[i:i + step])
+                if i + step < len(keys):
+                    results.extend(self._put(client, keys[i:i + step], replicate))
+        last = (len(keys) - 1) // step * step
+        results.extend(self._put(client, keys[last:], replicate))
         return results
+
+    def _put(self, client: Any, keys: list[str], replicate: Any) -> list[int]:
+        """Put staging rows 0..len(keys)-1 under `keys`."""
+        args = (keys, self.addresses[:len(keys)], self.sizes[:len(keys)])
+        return client.batch_put_from(*args, replicate) if replicate is not None \
+            else client.batch_put_from(*args)
 
     def gather(self, block_ids: Sequence[int]) -> None:
         """Copy KV blocks `block_ids` into staging rows 0..n-1."""

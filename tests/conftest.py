@@ -115,6 +115,41 @@ def pooled_server(tiny_model, master, filled_store, otlp_collector):
 
 
 @pytest.fixture(scope="session")
+def ha_etcd():
+    """One etcd for every HA master group of the session, and a proxy in front of it whose
+    address is the etcd endpoint of every HA client made in this process: Mooncake keeps one
+    etcd client per process ("Etcd client already connected to A, while trying to connect to
+    B"), so each such client must name the same endpoint. Groups on it are told apart by their
+    cluster ids (`ha_group`); engines and store nodes, in their own processes, use etcd itself.
+    The proxy can also answer garbage (`bench.proxy` modes)."""
+    from bench.proxy import DelayProxy
+    from devkit.ha_cluster import Etcd
+
+    etcd = Etcd().start()
+    proxy = DelayProxy(etcd.endpoint, rtt_ms=0.0).start()
+    yield etcd, proxy
+    proxy.stop()
+    etcd.stop()
+
+
+def ha_group(ha_etcd, name: str, **kw):
+    """An HA master group (not started) on the session's etcd, under a cluster id of its own
+    (an id reused on the same etcd would replay the oplog an earlier group left there)."""
+    import uuid
+
+    from devkit.ha_cluster import HaCluster
+
+    return HaCluster(etcd=ha_etcd[0], cluster_id=f"{name}-{uuid.uuid4().hex[:8]}", **kw)
+
+
+def in_process_config(cluster, ha_etcd, **overrides) -> dict:
+    """`cluster.store_config()` for a client in this process: etcd through the session proxy."""
+    address = f"etcd://{ha_etcd[1].address}"
+    return cluster.store_config(master_server_address=address, metadata_server=address,
+                                **overrides)
+
+
+@pytest.fixture(scope="session")
 def store_client(master):
     """A plain Mooncake client, for tests that inspect or tamper with the store."""
     from mooncake.store import MooncakeDistributedStore

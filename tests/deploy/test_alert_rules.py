@@ -185,3 +185,11 @@ def test_alerts_page_links_every_runbook():
     for r in _rules():
         assert f"[{r['alert']}](runbooks/{r['alert']}.md)" in page, \
             f"docs/alerts.md: add a row for {r['alert']} linking its runbook"
+
+
+def test_no_leader_runbook_names_the_failed_promotion():
+    """The case behind most of this alert's firings on Mooncake 0.3.13, by its log line and
+    exit status, with the prevention and the recovery (tests/store/test_ha_promotion.py)."""
+    text = (RUNBOOKS / "MooncakeMasterNoServingLeader.md").read_text()
+    assert "Failed to start master service: 1" in text and "status 255" in text
+    assert "net.ipv4.ip_local_reserved_ports" in text and "restartPolicy" in text

@@ -77,7 +77,7 @@ def test_every_family_has_samples(burst):
     # Counters of trouble a healthy engine never meets (a hung store call, a tuner error):
     # exported at 0 from startup; the fault tests (test_deadlines) see them move.
     zero_when_healthy = {"threads_replaced", "autotune_errors", "master_failovers",
-                         "master_down_seconds"}
+                         "master_down_seconds", "master_probe_errors"}
     for fam in FAMILIES:
         got = samples_of(after, fam)
         assert got, f"{fam.exported} missing from /metrics"

@@ -17,6 +17,7 @@ from connector.metadata import BlockTransfer, StepMetadata
 from connector.metric_catalog import PREFIX as P
 from connector.store import TIMEOUT_ENV
 from devkit.local_cluster import MooncakeMaster, StoreNode, free_port
+from devkit.processes import freeze, thaw
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
 from tests.worker_kit import hashes, run_step
@@ -182,18 +183,15 @@ def test_frozen_peer_never_holds_a_request(fault_server, cluster, which):
     request completes with the exact output without waiting for a frozen call, and once the
     peer answers the cache hits again with no stuck thread or extra staging buffer left
     behind."""
-    import os
-    import signal
-
     master, node, _ = cluster
     proc = (node if which == "store_node" else master).proc
     work = prompts(3 if which == "master" else 4)
     before = fault_server.metrics()
     try:
         _, after_fault, compute_s = fill_then_burst(
-            fault_server, work, lambda: os.killpg(proc.pid, signal.SIGSTOP), first=True)
+            fault_server, work, lambda: freeze(proc), first=True)
     finally:
-        os.killpg(proc.pid, signal.SIGCONT)
+        thaw(proc)
     print(f"burst completed {after_fault:.2f}s after the {which} froze (computing it took "
           f"{compute_s:.2f}s)")
     # The peer stays frozen until the burst is over, so a request that waited for a frozen

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from connector.config import CLUSTER_ID_ENV, CONFIG_PATH_ENV
+from connector.doctor import TEST_OBJECT_BYTES
 from devkit.ha_cluster import Etcd, HaMaster
 from devkit.local_cluster import MooncakeMaster, StoreNode, free_port
 from devkit.processes import HOST
@@ -120,12 +121,15 @@ def test_store_full(tmp_path):
     try:
         assert filler.setup(HOST, master.metadata_server, 0, 16 * 2**20, "tcp", "",
                             master.address) == 0
-        keys, blob = [], b"x" * 2**20
-        # is_exist takes the object's lease at once, so eviction cannot pick it
-        while len(keys) < 64 and filler.put(key := f"fill{len(keys)}", blob) == 0 \
-                and filler.is_exist(key) == 1:
-            keys.append(key)
-        assert 8 <= len(keys) < 64, len(keys)
+        keys: list[str] = []
+        # 1 MiB objects, then objects of the doctor's test size into what is left (less than
+        # 1 MiB can stay free, room for the test object); is_exist takes each object's lease
+        # at once, so eviction cannot pick it
+        for blob in (b"x" * 2**20, b"y" * TEST_OBJECT_BYTES):
+            while len(keys) < 400 and filler.put(key := f"fill{len(keys)}", blob) == 0 \
+                    and filler.is_exist(key) == 1:
+                keys.append(key)
+        assert 8 <= len(keys) < 400, len(keys)
         assert min(filler.batch_is_exist(keys)) == 1  # every object still there
         rc, lines = doctor(master, tmp_path)
     finally:

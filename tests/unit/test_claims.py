@@ -1,4 +1,4 @@
-"""Every benchmark number in README.md and the docs site matches the committed JSON.
+"""Every measured number in README.md and the docs site matches the committed JSON.
 
 The numbers live in `<!-- bench:NAME -->` passages that `bench.claims` renders from
 docs/*.json; these tests re-render them and compare, and check that no measurement-looking
@@ -29,8 +29,12 @@ PASSAGES = {
     "docs/benchmark.md": {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
                           "docs-serve"},
     "docs/disk-tier.md": {"docs-disk-tier"},
+    "docs/reliability.md": {"frozen-get"},
+    "docs/reliability-failover.md": {"failover-timeline", "failover-serve"},
 }
 ALL_PASSAGES = set().union(*PASSAGES.values())
+# Settings the failover page quotes outside passages (the probe's intervals), not measurements.
+FAILOVER_SETTINGS = {"0.5 s", "0.1 s"}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +88,13 @@ def test_no_measurement_outside_a_passage(where):
     text = FENCE.sub("", claims.BLOCK.sub("", _bench_parts()[where]))
     loose = [m.group() for m in MEASURE.finditer(text) if m.group() not in SETTINGS]
     assert not loose, f"{where}: numbers outside <!-- bench:... --> passages: {loose}"
+
+
+def test_no_measurement_outside_a_passage_on_the_failover_page():
+    text = FENCE.sub("", claims.BLOCK.sub("", (claims.DOCS / "reliability-failover.md")
+                                          .read_text()))
+    loose = [m.group() for m in MEASURE.finditer(text) if m.group() not in FAILOVER_SETTINGS]
+    assert not loose, f"docs/reliability-failover.md: numbers outside passages: {loose}"
 
 
 def test_unknown_passage_is_an_error(runs):
