@@ -20,10 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConfigError, load_config
+from connector.groups import GroupError, groups_from_kv_cache_config
 from connector.keys import KeyBuilder, layout_from_vllm
 from connector.metadata import StepMetadata
 from connector.stats import PooledStoreStats
@@ -54,8 +56,12 @@ def _attn_backend_names(vllm_config: Any) -> str:
         return ""
 
 
-class PooledMooncakeStoreConnector(KVConnectorBase_V1):
-    """Mooncake-store KV connector with a pool of receive threads and full observability."""
+class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Mooncake-store KV connector with a pool of receive threads and full observability.
+
+    SupportsHMA: vLLM keeps its hybrid KV cache manager on, so a model with sliding-window
+    layers gets one block table per KV cache group and this connector stores each group as
+    it needs (`connector.groups`)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -65,20 +71,31 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         try:
             self.config = load_config(extra)
-        except ConfigError as e:
+            self.groups = groups_from_kv_cache_config(kv_cache_config,
+                                                      vllm_config.cache_config.block_size)
+            layout = layout_from_vllm(vllm_config, self.config.model_id, self.config.store_tp,
+                                      latent=self.groups[0].latent)
+        except (ConfigError, GroupError, ValueError) as e:
             # One line that names the field and the fix, above vLLM's startup trace.
             logger.error("PooledMooncakeStoreConnector: invalid configuration: %s", e)
             raise
-        layout = layout_from_vllm(vllm_config, self.config.model_id)
-        self.keys = KeyBuilder(self.config.cache_prefix, layout)
+        self.keys = KeyBuilder(self.config.cache_prefix, layout, len(self.groups))
         self.scheduler = None
         self.worker = None
         try:
             if role == KVConnectorRole.SCHEDULER:
                 from connector.scheduler import MooncakeStoreScheduler
 
-                self.scheduler = MooncakeStoreScheduler(self.config, self.keys,
-                                                        vllm_config.cache_config.block_size)
+                self.scheduler = MooncakeStoreScheduler(
+                    self.config, self.keys, vllm_config.cache_config.block_size, self.groups,
+                    getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0))
+                if self.config.enable_save and not self.scheduler.saves:
+                    logger.warning(
+                        "PooledMooncakeStoreConnector: store_tp_size=%d is below the TP size "
+                        "%d: a stored object holds KV heads of several ranks, which no rank "
+                        "can write alone, so this engine loads from the store but saves "
+                        "nothing; set store_tp_size to a multiple of %d to save too",
+                        layout.shards, layout.tp_size, layout.tp_size)
             else:
                 self._start_worker(vllm_config, kv_cache_config)
         except StoreUnavailable as e:
@@ -98,7 +115,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         except Exception:  # noqa: BLE001 - not initialised (e.g. unit tests): derive it
             tp_rank = vllm_config.parallel_config.rank % tp_size
         self.worker = MooncakeStoreWorker(self.config, self.keys, tp_rank,
-                                          kv_cache_config.num_blocks)
+                                          kv_cache_config.num_blocks, self.groups)
         from connector.sampling import TraceSampler
         from connector.tracing import SpanExporter, tracing_enabled
 
@@ -155,6 +172,15 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids[0])
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool: sliding-window blocks under a save are pinned in it."""
+        if self.scheduler is not None:
+            self.scheduler.bind_block_pool(gpu_block_pool)
 
     # ---- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -4,6 +4,14 @@ Lookups run on a small executor with the scheduler's own store client (no segmen
 engine loop never waits on the master for more than `lookup_wait_ms`; until the answer is in,
 `get_num_new_matched_tokens` returns None and vLLM retries the request next step. A lookup that
 errors or exceeds `lookup_timeout_s` is a miss, never an exception in the engine.
+
+KV cache groups (`connector.groups`): a prefix is a hit only as far as every group can restore
+it (every store shard of each block a group needs); each group loads and saves with its own
+block table, a sliding-window group only the window blocks. vLLM frees a sliding-window block
+as soon as the request moves past it, while a save may still read it, so the blocks a save
+takes from such a group are pinned in vLLM's block pool (`touch`) until the request's saves are
+done (reported in finished_sending) or it is preempted (the worker then waits for its saves
+before the next forward).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.events import LookupEvent, Publisher
+from connector.groups import FULL, GroupSpec, window_hit
 from connector.keys import KeyBuilder
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.stats import StatsRecorder
@@ -38,7 +47,7 @@ class _Tracked:
 
     request: Any
     saved_upto: int  # tokens whose blocks are in the store (or being written)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
 
 
 @dataclass
@@ -48,11 +57,21 @@ class _Lookup:
 
 
 class MooncakeStoreScheduler:
-    def __init__(self, config: ConnectorConfig, keys: KeyBuilder, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, keys: KeyBuilder, block_size: int,
+                 groups: tuple[GroupSpec, ...] = (GroupSpec(),),
+                 retention: int | None = 0) -> None:
         self.config = config
         self._keys = keys
-        self._tp_size = keys.layout.tp_size
+        self._shards = keys.layout.shards
+        self._groups = groups
+        self._retention = retention  # vLLM's prefix_cache_retention_interval
         self._block_size = block_size
+        lay = keys.layout
+        # A rank can write an object only if it holds all of its heads (store_tp_size >= the
+        # TP size); an engine that cannot is a reader of that layout.
+        self._save = config.enable_save and lay.shards >= min(lay.tp_size, lay.num_kv_heads)
+        self._pool: Any = None  # vLLM's BlockPool, for pins
+        self._pins: dict[str, list[int]] = {}
         self._store = StoreHandle(config.store, 0, LOOKUP_CLIENT_BUFFER,
                                   config.on_master_unreachable, config.store_timeout_s)
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
@@ -70,6 +89,11 @@ class MooncakeStoreScheduler:
         self._step_budget_s = config.lookup_wait_ms / 1e3
         self.step_waited_s = 0.0
         self._keys_ready = False  # until the workers' handshake gives the registered layout
+
+    @property
+    def saves(self) -> bool:
+        """Whether this engine stores blocks (enable_save, and a layout its ranks can write)."""
+        return self._save
 
     def set_kv_signature(self, signature: str) -> None:
         """Key lookups by the KV layout the workers registered (their handshake)."""
@@ -139,25 +163,32 @@ class MooncakeStoreScheduler:
                 self._lookups.pop(rid, None)
 
     def _lookup(self, hashes: tuple[bytes, ...]) -> tuple[int, LookupEvent]:
-        """Longest stored prefix, in tokens, and its event. Runs on the lookup executor."""
+        """Longest prefix every group can restore, in tokens, and its event. Runs on the
+        lookup executor. Blocks are probed in windows that grow 4x: full-attention groups
+        from the left, sliding-window groups from the right (only their window is needed)."""
         t0 = time.perf_counter()
         found, probed, code = 0, 0, ""
-        try:
-            window, tp = FIRST_WINDOW, self._tp_size
-            while found < len(hashes):
-                chunk = hashes[found:found + window]
-                keys = self._keys.all_rank_keys(chunk)
+        known: list[dict[int, bool]] = [{} for _ in self._groups]
+        spans = [FIRST_WINDOW] * len(self._groups)
+
+        def present(g: int, i: int) -> bool:
+            nonlocal probed
+            if i not in known[g]:
+                lo, hi = (i, min(len(hashes), i + spans[g])) if self._groups[g].kind == FULL \
+                    else (max(0, i + 1 - spans[g]), i + 1)
+                spans[g] *= 4
+                keys = self._keys.all_shard_keys(hashes[lo:hi], g)
                 probed += len(keys)
                 res = self._store.require().batch_is_exist(keys)
                 if any(r < 0 for r in res):
                     self._store.check(res)
                     raise StoreError(error_code_label(min(res)))
-                n = next((i for i in range(len(chunk)) if 0 in res[i * tp:(i + 1) * tp]),
-                         len(chunk))
-                found += n
-                if n < len(chunk):
-                    break
-                window *= 4
+                n = self._shards
+                known[g].update((lo + j, 0 not in res[j * n:(j + 1) * n]) for j in range(hi - lo))
+            return known[g][i]
+
+        try:
+            found = window_hit(self._groups, present, len(hashes), self._block_size)
         except Exception as e:  # noqa: BLE001 - any failure is a miss, counted by code
             code = e.code if isinstance(e, StoreError) else EXCEPTION_CODE
             logger.warning("store lookup failed (%s); treating as a miss", e)
@@ -174,12 +205,18 @@ class MooncakeStoreScheduler:
         rid = request.request_id
         hit = self._hits.get(rid, 0)
         if num_external_tokens > 0 and rid not in self._loading:
-            block_ids = blocks.get_block_ids()[0]
             first, last = (hit - num_external_tokens) // self._block_size, hit // self._block_size
-            self._loads.append(BlockTransfer(
-                rid, tuple(block_ids[first:last]), tuple(request.block_hashes[first:last])))
+            for g, (spec, ids) in enumerate(zip(self._groups, blocks.get_block_ids(),
+                                                strict=True)):
+                # A sliding-window group gets blocks only for the window before the hit.
+                sel = [i for i in range(max(first, spec.first_needed(last, self._block_size)),
+                                        last) if ids[i] != self._null]
+                if sel:
+                    self._loads.append(BlockTransfer(
+                        rid, tuple(ids[i] for i in sel),
+                        tuple(request.block_hashes[i] for i in sel), g))
             self._loading.add(rid)
-        if self.config.enable_save and rid not in self._tracked:
+        if self._save and rid not in self._tracked:
             self._tracked[rid] = _Tracked(request, saved_upto=hit)
 
     def build_connector_meta(self, so: Any) -> StepMetadata:
@@ -188,10 +225,11 @@ class MooncakeStoreScheduler:
         for rid in preempted:
             self._tracked.pop(rid, None)
             self._hits.pop(rid, None)
+            self._unpin(rid)  # handle_preemptions waits for its saves before the next forward
         for new in so.scheduled_new_reqs:
             tr = self._tracked.get(new.req_id)
             if tr is not None:
-                tr.block_ids = list(new.block_ids[0])
+                tr.block_ids = [list(ids) for ids in new.block_ids]
                 self._plan_save(tr, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
                                 saves)
         cached = so.scheduled_cached_reqs
@@ -201,9 +239,10 @@ class MooncakeStoreScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                tr.block_ids = list(new_ids[0]) if new_ids is not None else []
+                tr.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                tr.block_ids.extend(new_ids[0])
+                for have, ids in zip(tr.block_ids, new_ids, strict=True):
+                    have.extend(ids)
             self._plan_save(tr, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid],
                             saves)
         self.step_waited_s = 0.0  # a new step: a new lookup-wait budget
@@ -217,17 +256,48 @@ class MooncakeStoreScheduler:
         req = tr.request
         limit = computed if self.config.save_decode_tokens else min(computed,
                                                                    req.num_prompt_tokens)
-        full = limit // self._block_size
-        first = tr.saved_upto // self._block_size
-        full = min(full, len(tr.block_ids), len(req.block_hashes))
-        if full > first:
-            saves.append(BlockTransfer(req.request_id, tuple(tr.block_ids[first:full]),
-                                       tuple(req.block_hashes[first:full])))
-            tr.saved_upto = full * self._block_size
+        bs = self._block_size
+        first = tr.saved_upto // bs
+        full = min([limit // bs, len(req.block_hashes), *map(len, tr.block_ids)])
+        if full <= first:
+            return
+        for g, (spec, ids) in enumerate(zip(self._groups, tr.block_ids, strict=True)):
+            keep = spec.save_mask(first, full, req.num_prompt_tokens, bs, self._retention)
+            sel = [i for i, k in zip(range(first, full), keep, strict=True)
+                   if k and ids[i] != self._null]
+            if not sel:
+                continue
+            if spec.kind != FULL:
+                self._pin(req.request_id, [ids[i] for i in sel])
+            saves.append(BlockTransfer(req.request_id, tuple(ids[i] for i in sel),
+                                       tuple(req.block_hashes[i] for i in sel), g))
             self._saved.add(req.request_id)
+        tr.saved_upto = full * bs
+
+    # ---- pins of sliding-window blocks under saves ----------------------------------------
+    def bind_block_pool(self, pool: Any) -> None:
+        self._pool = pool
+
+    @property
+    def _null(self) -> int:
+        """vLLM's null block (padding for blocks a sliding-window group has freed)."""
+        return self._pool.null_block.block_id if self._pool is not None else 0
+
+    def _pin(self, rid: str, block_ids: list[int]) -> None:
+        if self._pool is None:
+            return
+        self._pool.touch([self._pool.blocks[b] for b in block_ids])
+        self._pins.setdefault(rid, []).extend(block_ids)
+
+    def _unpin(self, rid: str) -> None:
+        ids = self._pins.pop(rid, None)
+        if ids:
+            self._pool.free_blocks(self._pool.blocks[b] for b in reversed(ids))
 
     # ---- completion ------------------------------------------------------------------------
     def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_sending or ():
+            self._unpin(rid)  # every rank finished the request's saves
         for rid in output.finished_recving or ():
             self._loading.discard(rid)
             # A request comes back to the lookup only if its load failed and vLLM recomputes

@@ -30,13 +30,14 @@ from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber
-from connector.keys import KeyBuilder, kv_signature
-from connector.kv_regions import BlockRegions, compute_regions
+from connector.groups import GroupSpec
+from connector.keys import KeyBuilder, layout_signature
+from connector.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.ledger import RequestLedger
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import RecvPool, Ticket
 from connector.sampling import LookupProbe
-from connector.staging import BlockStager
+from connector.staging import BlockStager, ranged_get
 from connector.stats import StatsRecorder, WorkerGauges, stat_key
 from connector.store import (
     ABANDONED_CODE,
@@ -67,12 +68,14 @@ class _Job:
 
 class MooncakeStoreWorker:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, tp_rank: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, groups: tuple[GroupSpec, ...] = (GroupSpec(),)) -> None:
         self.config = config
         self.tp_rank = tp_rank
         self._keys = keys
         self._num_blocks = num_blocks
-        self._regions: BlockRegions | None = None
+        self._groups = groups
+        self._io: tuple[GroupIO, ...] = ()  # per group: what this rank loads and saves
+        self._regions: ObjectPlan | None = None  # group 0's load plan (memory, on_cuda)
         self._staged = False  # staging buffers (per thread, made on first use) or multi-buffer
         self._tls = threading.local()
         self._buffers_lock = threading.Lock()
@@ -110,16 +113,24 @@ class MooncakeStoreWorker:
 
     # ---- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], attn_backend: str = "") -> None:
-        self._keys = self._keys.with_signature(
-            kv_signature(kv_caches, self._num_blocks, attn_backend))
-        self._regions = compute_regions(kv_caches, self._num_blocks)
+        lay = self._keys.layout
+        self._io = tuple(
+            plan_group({n: kv_caches[n] for n in g.layers} if g.layers else kv_caches,
+                       self._num_blocks, lay.num_kv_heads, lay.shards, lay.tp_size,
+                       self.tp_rank)
+            for g in self._groups)
+        self._keys = self._keys.with_signature(layout_signature(
+            attn_backend, self._groups, [io.description for io in self._io]))
+        self._regions = self._io[0].load
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
-        logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
-                    "threads, %s", len(self._regions.sizes), self._regions.block_bytes,
-                    self.tp_rank, self.pool.size,
-                    f"staged transfers ({per_call} blocks per call)"
+        logger.info("mooncake pool: %d KV regions, %d bytes per object (%s of %d per block%s)"
+                    ", rank %d, %d recv threads, %s", len(self._regions.sizes),
+                    self._regions.block_bytes, "slice" if self._regions.src_offsets else
+                    f"{self._regions.pieces} shard(s)", lay.shards,
+                    "" if self._io[0].save else "; this rank saves nothing", self.tp_rank,
+                    self.pool.size, f"staged transfers ({per_call} objects per call)"
                     if self._staged else "multi-buffer transfers")
         self._store.on_connect(self._register_buffers)
 
@@ -132,42 +143,44 @@ class MooncakeStoreWorker:
         # (a single-region block is already one contiguous slice: staging would add a copy).
         return mode == "on" or (mode == "auto" and not self._regions.on_cuda
                                 and self.config.store.protocol == "tcp"
-                                and len(self._regions.sizes) > 1)
+                                and any(len(io.load.sizes) > 1 for io in self._io))
 
     def _register_buffers(self, client: Any) -> None:
-        for ptr, size in self._regions.storages:
+        for ptr, size in dict(st for io in self._io for st in io.load.storages).items():
             rc = client.register_buffer(ptr, size)
             if rc != 0:
                 logger.error("register_buffer(%#x, %d) failed with %d; loads and saves on "
                              "this rank will fail and be recomputed", ptr, size, rc)
 
-    def _stager(self, client: Any) -> BlockStager | None:
-        """This thread's staging buffer, made and registered on first use. Per thread, not
-        per slot: a thread stuck in a call keeps its buffer until the call returns, and its
-        replacement gets a fresh one."""
+    def _stager(self, client: Any, plan: ObjectPlan) -> BlockStager | None:
+        """This thread's staging buffer for `plan`, made and registered on first use. Per
+        thread, not per slot: a thread stuck in a call keeps its buffer until the call
+        returns, and its replacement gets a fresh one. (One per plan: a hybrid model's groups,
+        or a load and a save plan that differ, each have their own.)"""
         if not self._staged:
             return None
-        stager = getattr(self._tls, "stager", None)
+        stagers = getattr(self._tls, "stagers", None)
+        if stagers is None:
+            stagers = self._tls.stagers = {}
+        stager = stagers.get(id(plan))
         if stager is None:
-            stager = BlockStager(self._regions, self._num_blocks,
-                                 self.config.staging_buffer_size)
+            stager = BlockStager(plan, self._num_blocks, self.config.staging_buffer_size)
             rc = client.register_buffer(stager.buffer.data_ptr(), stager.nbytes)
             if rc != 0:
                 raise RuntimeError(f"register_buffer of a staging buffer failed with {rc}")
-            self._tls.stager, self._tls.client = stager, client
+            stagers[id(plan)], self._tls.client = stager, client
             with self._buffers_lock:
                 self.staging_buffers += 1
         return stager
 
     def _release_stager(self) -> None:
-        """A retired thread's call has returned: its buffer can be unregistered and freed."""
-        stager = getattr(self._tls, "stager", None)
-        if stager is None:
-            return
-        self._tls.client.unregister_buffer(stager.buffer.data_ptr())
-        self._tls.stager = self._tls.client = None
-        with self._buffers_lock:
-            self.staging_buffers -= 1
+        """A retired thread's call has returned: its buffers can be unregistered and freed."""
+        stagers = getattr(self._tls, "stagers", None) or {}
+        for stager in stagers.values():
+            self._tls.client.unregister_buffer(stager.buffer.data_ptr())
+            with self._buffers_lock:
+                self.staging_buffers -= 1
+        self._tls.stagers, self._tls.client = {}, None
 
     # ---- per step --------------------------------------------------------------------------
     def _context(self) -> Any:
@@ -254,24 +267,29 @@ class MooncakeStoreWorker:
         code, failed, nbytes = "", list(t.block_ids), 0
         try:
             client = self._connected()
-            keys = self._keys.keys(t.block_hashes, self.tp_rank)
-            stager = self._stager(client)
-            addrs = None if stager else self._regions.addresses(t.block_ids)
+            plan = self._io[t.group].load
+            keys = self._keys.object_keys(t.block_hashes, plan.shards, t.group)
+            units = plan.units(t.block_ids)
+            stager = self._stager(client, plan)
+            addrs = None if stager else plan.addresses(units)
             t_prepared = t_lookup_end = time.perf_counter()
             if self._lookup_probe.due(thread):
                 client.batch_get_replica_desc(keys)
                 t_lookup_end = time.perf_counter()
                 sampled = True
             if stager:
-                results = stager.get(client, keys, t.block_ids, ticket.writing)
+                results = stager.get(client, keys, units, ticket.writing)
             else:  # zero-copy: the call itself writes into the KV blocks
                 with ticket.writing() as ok:
-                    results = (client.batch_get_into_multi_buffers(keys, *addrs) if ok
-                               else [])
-            want = self._regions.block_bytes
+                    results = ([] if not ok else
+                               client.batch_get_into_multi_buffers(keys, *addrs)
+                               if plan.src_offsets is None else
+                               ranged_get(client, keys, *addrs, plan.src_offsets))
+            want = plan.block_bytes
             if not ticket.expired and len(results) != len(keys):
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
-            failed = [b for b, r in zip(t.block_ids, results, strict=False) if r != want]
+            per = plan.pieces
+            failed = sorted({t.block_ids[i // per] for i, r in enumerate(results) if r != want})
             nbytes = sum(r for r in results if r > 0)
             bad = next((r for r in results if r != want), None)
             if bad is not None:
@@ -318,8 +336,10 @@ class MooncakeStoreWorker:
                 job.ready.synchronize()
             t_ready = t_exists = time.perf_counter()
             client = self._connected()
-            keys = self._keys.keys(t.block_hashes, self.tp_rank)
-            exists = client.batch_is_exist(keys)
+            plan = self._io[t.group].save
+            keys = self._keys.object_keys(t.block_hashes, plan.shards, t.group) if plan else []
+            units = plan.units(t.block_ids) if plan else []
+            exists = client.batch_is_exist(keys) if keys else []
             t_exists = time.perf_counter()
             if any(e < 0 for e in exists):
                 code, op = error_code_label(min(exists)), "save_exists"
@@ -329,13 +349,13 @@ class MooncakeStoreWorker:
             if new and self._abandoned(t.req_id, ticket):
                 code, op = ABANDONED_CODE, "save"
             elif new:
-                new_keys, new_ids = [keys[i] for i in new], [t.block_ids[i] for i in new]
-                stager = self._stager(client)
+                new_keys, new_ids = [keys[i] for i in new], [units[i] for i in new]
+                stager = self._stager(client, plan)
                 results = (
                     stager.put(client, new_keys, new_ids, self._store.replicate)
                     if stager else
                     client.batch_put_from_multi_buffers(
-                        new_keys, *self._regions.addresses(new_ids), self._store.replicate))
+                        new_keys, *plan.addresses(new_ids), self._store.replicate))
                 # -705: another writer stored the same block meanwhile; that is a skip.
                 skipped += sum(1 for r in results if r == -705)
                 stored = sum(1 for r in results if r == 0)
@@ -348,7 +368,7 @@ class MooncakeStoreWorker:
                     self._remove(client, [k for k, r in zip(new_keys, results, strict=True)
                                           if r == 0])
                     stored, code, op = 0, ABANDONED_CODE, "save"
-                nbytes = stored * self._regions.block_bytes
+                nbytes = stored * plan.block_bytes
         except StoreError as e:
             code, op = e.code, "save"
         except Exception as e:
