@@ -56,6 +56,17 @@ def _attn_backend_names(vllm_config: Any) -> str:
         return ""
 
 
+def _interior_order(vllm_config: Any) -> tuple[int, ...] | None:
+    """How a block's KV heads, tokens and content lie in memory, from vLLM's resolved KV cache
+    layout (part of what a store shard's bytes are)."""
+    from connector.kv_regions import interior_order
+
+    try:
+        return interior_order(vllm_config.cache_config.get_resolved_kv_cache_layout())
+    except Exception:  # noqa: BLE001 - no layout API: the tensors' strides say it
+        return None
+
+
 class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """Mooncake-store KV connector with a pool of receive threads and full observability.
 
@@ -115,7 +126,8 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:  # noqa: BLE001 - not initialised (e.g. unit tests): derive it
             tp_rank = vllm_config.parallel_config.rank % tp_size
         self.worker = MooncakeStoreWorker(self.config, self.keys, tp_rank,
-                                          kv_cache_config.num_blocks, self.groups)
+                                          kv_cache_config.num_blocks, self.groups,
+                                          _interior_order(vllm_config))
         from connector.sampling import TraceSampler
         from connector.tracing import SpanExporter, tracing_enabled
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,18 +45,27 @@ class _Region:
     estrides: tuple[int, ...]  # interior strides, in elements
     dtype: torch.dtype
     storage: torch.UntypedStorage
+    layout_order: tuple[int, ...] | None = None  # vLLM's KV cache layout, when known
 
     @property
     def es(self) -> int:
         return self.dtype.itemsize
 
-    @property
-    def order(self) -> tuple[int, ...]:
-        """Interior dimensions from outermost to innermost in memory."""
-        return tuple(sorted(range(len(self.shape)), key=lambda i: (-self.estrides[i], i)))
+    def order(self, shape: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Interior dimensions (of `shape`, default this region's) from outermost to innermost
+        in memory. vLLM's layout says it; without one, the strides do, and a dimension of size
+        1 (no place in memory, whatever its stride) goes first. The layout matters where a
+        rank holds one head: its strides cannot tell head-major from token-major, but the
+        shard it is part of is one or the other."""
+        shape = shape or self.shape
+        if self.layout_order is not None and len(self.layout_order) == len(shape):
+            return self.layout_order
+        return tuple(sorted(range(len(shape)), key=lambda i: (
+            shape[i] != 1, -self.estrides[i], i)))
 
 
-def _regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[_Region]:
+def _regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int,
+             layout_order: tuple[int, ...] | None = None) -> list[_Region]:
     out = []
     for name, t in kv_caches.items():
         if t.shape[0] == num_blocks:
@@ -72,7 +82,7 @@ def _regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[_Re
                                   f"with strides {v.stride()} is not contiguous")
             out.append(_Region(part, v.data_ptr(), v.stride(0) * v.element_size(),
                                tuple(v.shape[1:]), tuple(v.stride()[1:]), v.dtype,
-                               t.untyped_storage()))
+                               t.untyped_storage(), layout_order))
     if not out:
         raise LayoutError("no KV cache tensors were registered")
     return out
@@ -84,7 +94,7 @@ def _runs(r: _Region, heads: tuple[int, int], shard: tuple[int, int], local0: in
     `r`, as (offset in the block, bytes, offset in shard `shard`'s part of the object) runs,
     and the bytes of that part. The shard's part is its heads' interior in `r`'s memory order,
     so it is the same whichever TP size holds it."""
-    order = r.order
+    order = r.order()
     sshape = (heads[1] - heads[0],) + r.shape[1:]
     cshape = (shard[1] - shard[0],) + r.shape[1:]
     cstr = [0] * len(cshape)
@@ -170,11 +180,19 @@ def rank_heads(heads: int, tp_size: int, tp_rank: int) -> tuple[tuple[int, int],
     return (h, h + 1), tp_rank % replicas == 0
 
 
+def interior_order(kv_cache_layout: Any) -> tuple[int, ...] | None:
+    """The memory order of a block's [H, N, C] in vLLM's KVCacheLayout (None: unknown)."""
+    view = getattr(kv_cache_layout, "layer_view_order", None)
+    return None if view is None else tuple(i - 1 for i in view if i != 0)
+
+
 def plan_group(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, heads: int,
-               shards: int, tp_size: int = 1, tp_rank: int = 0) -> GroupIO:
+               shards: int, tp_size: int = 1, tp_rank: int = 0,
+               layout_order: tuple[int, ...] | None = None) -> GroupIO:
     """The plans of one group (its layers' tensors, in order) on rank `tp_rank`, with the
-    model's `heads` KV heads split into `shards` store objects per block."""
-    regions = _regions(kv_caches, num_blocks)
+    model's `heads` KV heads split into `shards` store objects per block. `layout_order`:
+    `interior_order` of vLLM's KV cache layout."""
+    regions = _regions(kv_caches, num_blocks, layout_order)
     local, primary = rank_heads(heads, tp_size, tp_rank)
     per_shard = heads // shards
     first = local[0] // per_shard
@@ -222,10 +240,12 @@ def plan_group(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, heads: in
         storages=tuple(storages.items()),
         on_cuda=any(r.storage.device.type == "cuda" for r in regions),
         region_storages=tuple(x[3] for x in runs))
-    desc = ";".join(
-        f"{r.name}:[{per_shard if r.shape[0] == n_local else r.shape[0]},"
-        f"{','.join(map(str, r.shape[1:]))}]o[{','.join(map(str, r.order))}]"
-        f"{str(r.dtype).removeprefix('torch.')}x{r.es}" for r in regions)
+    def describe(r: _Region) -> str:
+        shape = (per_shard,) + r.shape[1:] if r.shape[0] == n_local else r.shape
+        return (f"{r.name}:[{','.join(map(str, shape))}]o[{','.join(map(str, r.order(shape)))}]"
+                f"{str(r.dtype).removeprefix('torch.')}x{r.es}")
+
+    desc = ";".join(map(describe, regions))
     return GroupIO(load=plan, save=plan if whole and primary else None, description=desc)
 
 

@@ -68,13 +68,16 @@ class _Job:
 
 class MooncakeStoreWorker:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, tp_rank: int,
-                 num_blocks: int, groups: tuple[GroupSpec, ...] = (GroupSpec(),)) -> None:
+                 num_blocks: int, groups: tuple[GroupSpec, ...] = (GroupSpec(),),
+                 layout_order: tuple[int, ...] | None = None) -> None:
         self.config = config
         self.tp_rank = tp_rank
         self._keys = keys
         self._num_blocks = num_blocks
         self._groups = groups
+        self._layout_order = layout_order  # a block's [H, N, C] in memory (vLLM's layout)
         self._io: tuple[GroupIO, ...] = ()  # per group: what this rank loads and saves
+        self._layout_labels: tuple[tuple[str, ...], ...] = ()  # per group, for layout_keys
         self._regions: ObjectPlan | None = None  # group 0's load plan (memory, on_cuda)
         self._staged = False  # staging buffers (per thread, made on first use) or multi-buffer
         self._tls = threading.local()
@@ -117,10 +120,14 @@ class MooncakeStoreWorker:
         self._io = tuple(
             plan_group({n: kv_caches[n] for n in g.layers} if g.layers else kv_caches,
                        self._num_blocks, lay.num_kv_heads, lay.shards, lay.tp_size,
-                       self.tp_rank)
+                       self.tp_rank, self._layout_order)
             for g in self._groups)
         self._keys = self._keys.with_signature(layout_signature(
             attn_backend, self._groups, [io.description for io in self._io]))
+        self._layout_labels = tuple(
+            ("latent" if g.latent else "kv_heads_slice" if io.load.src_offsets else "kv_heads",
+             g.kind, str(lay.shards), str(lay.tp_size))
+            for g, io in zip(self._groups, self._io, strict=True))
         self._regions = self._io[0].load
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
@@ -303,6 +310,9 @@ class MooncakeStoreWorker:
                            request_hash(t.req_id), e)
         if not ticket.finish():
             return  # expired: the watchdog reported it, and nothing was copied since
+        if nbytes:
+            self.recorder.count("layout_keys", self.tp_rank, "load", *self._layout_labels[t.group],
+                                n=sum(1 for r in results if r == want))
         self.ledger.finish_load(t.req_id, failed if code else ())
         self.events.load(LoadEvent(
             thread=thread, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
@@ -369,6 +379,9 @@ class MooncakeStoreWorker:
                                           if r == 0])
                     stored, code, op = 0, ABANDONED_CODE, "save"
                 nbytes = stored * plan.block_bytes
+                if stored:
+                    self.recorder.count("layout_keys", self.tp_rank, "save",
+                                        *self._layout_labels[t.group], n=stored)
         except StoreError as e:
             code, op = e.code, "save"
         except Exception as e:
