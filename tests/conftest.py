@@ -152,7 +152,7 @@ def corrupt_stored_block(server: VllmServer, client, prefix: str, prompt: list[i
     text = "\n".join(server.metrics())
     fingerprint = re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',
                             text).group(1)
-    key = (f"{prefix}/{_slug(server.model)}/{fingerprint}/tp1r0/"
+    key = (f"{prefix}/{_slug(server.model)}/{fingerprint}/g0s0of1/"
            f"{block_hashes(prompt)[index].hex()}")
     deadline = time.monotonic() + 10  # the save thread writes after the response returns
     while client.batch_is_exist([key]) != [1]:

@@ -1,0 +1,100 @@
+"""Sharing the store across TP sizes in real `vllm serve` (float32, so outputs compare exactly):
+a TP=2 engine fills the store, a fresh TP=1 engine takes most of its prompt tokens from it and
+gives the greedy tokens of an engine without the connector; then the TP=1 engine fills and a
+fresh TP=2 engine loads. Both sides run with `store_tp_size: 2` (the in-tree setting: each
+block is two objects of half the KV heads, whichever TP size wrote them).
+
+Three models: a Llama with 8 heads and 4 KV heads (GQA: each TP=2 rank moves its own shard, the
+TP=1 engine both), a Llama with sliding-window layers beside full attention (two KV cache
+groups: the sliding one stores and loads only its window), and a DeepSeek-V2 with MLA (one
+latent object per block, written by rank 0, read by every rank).
+
+TP=2 on this 2-core host: `VLLM_CPU_OMP_THREADS_BIND=0|1` (one core per rank).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from devkit.tiny_model import make_tiny_llama, make_tiny_mla
+from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from tests.conftest import engine_extra
+
+FLOAT32 = ("--dtype", "float32")
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+MODELS = {
+    "gqa": lambda d: make_tiny_llama(d, hidden=256, heads=8, kv_heads=4),
+    "hybrid": lambda d: make_tiny_llama(d, heads=4, kv_heads=2, sliding_window=64),
+    "mla": lambda d: make_tiny_mla(d),
+}
+
+
+def distinct_prompts(seed: int, n: int = 3, tokens: int = 368) -> list[list[int]]:
+    """Prompts that share nothing, so every prompt's prefix can only come from the store."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(tokens)] for _ in range(n)]
+
+
+def engine(model: str, tp: int, master=None, prefix: str = "") -> VllmServer:
+    kv = connector_kv_config(engine_extra(master, cache_prefix=prefix, store_tp_size=2)) \
+        if master else None
+    return VllmServer(model, kv, env=TP2_ENV if tp > 1 else {},
+                      extra_args=(*FLOAT32, "--tensor-parallel-size", str(tp))).start()
+
+
+def serve(server: VllmServer, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+    before = server.metrics()
+    outputs = [server.complete(p) for p in prompts]
+    after = server.metrics()
+    return outputs, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def check_from_store(delta: dict, prompts: list[list[int]], tp: int) -> None:
+    """At least half of the prompt tokens came from the store, on every rank, without errors;
+    the loads are counted under this engine's TP size and the stored layout's."""
+    hit = metric_sum(delta, "vllm:external_prefix_cache_hits_total")
+    assert hit >= 0.5 * sum(map(len, prompts)), (hit, sum(map(len, prompts)))
+    assert metric_sum(delta, "vllm:mooncake_pool_load_jobs_total", status="error") == 0
+    for rank in range(tp):
+        assert metric_sum(delta, "vllm:mooncake_pool_layout_keys_total", op="load",
+                          tp_rank=str(rank), tp_size=str(tp)) > 0
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, master, store_node):
+    model = str(MODELS[kind](tmp_path_factory.mktemp(f"cross-tp-{kind}")))
+    first, second = distinct_prompts(1), distinct_prompts(2)
+    prefix = f"cross-tp-{kind}"
+    ref = engine(model, 1)
+    try:
+        want_first, _ = serve(ref, first)
+        want_second, _ = serve(ref, second)
+    finally:
+        ref.stop()
+
+    tp2 = engine(model, 2, master, prefix)  # fills: each rank stores its objects
+    try:
+        filled, _ = serve(tp2, first)
+    finally:
+        tp2.stop()
+    assert filled == want_first
+
+    tp1 = engine(model, 1, master, prefix)  # loads the TP=2 engine's blocks, then fills
+    try:
+        got, delta = serve(tp1, first)
+        assert got == want_first
+        check_from_store(delta, first, 1)
+        filled, _ = serve(tp1, second)
+    finally:
+        tp1.stop()
+    assert filled == want_second
+
+    tp2 = engine(model, 2, master, prefix)  # and the reverse
+    try:
+        got, delta = serve(tp2, second)
+    finally:
+        tp2.stop()
+    assert got == want_second
+    check_from_store(delta, second, 2)
