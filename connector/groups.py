@@ -76,11 +76,14 @@ class GroupSpec:
         return [i in keep for i in range(first, end)]
 
 
+ONE_FULL = (GroupSpec(),)  # a model without KV cache groups (tests, benchmarks)
+
+
 def groups_from_kv_cache_config(kv_cache_config: Any, block_size: int
                                 ) -> tuple[GroupSpec, ...]:
     """The groups of vLLM's KVCacheConfig (one full group when there is none, as in tests)."""
     if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
-        return (GroupSpec(),)
+        return ONE_FULL
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MLAAttentionSpec,

@@ -25,7 +25,7 @@ from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.events import LookupEvent, Publisher
-from connector.groups import FULL, GroupSpec, window_hit
+from connector.groups import FULL, ONE_FULL, GroupSpec, window_hit
 from connector.keys import KeyBuilder
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.stats import StatsRecorder
@@ -58,7 +58,7 @@ class _Lookup:
 
 class MooncakeStoreScheduler:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, block_size: int,
-                 groups: tuple[GroupSpec, ...] = (GroupSpec(),),
+                 groups: tuple[GroupSpec, ...] = ONE_FULL,
                  retention: int | None = 0) -> None:
         self.config = config
         self._keys = keys

@@ -30,7 +30,7 @@ from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber
-from connector.groups import GroupSpec
+from connector.groups import ONE_FULL, GroupSpec
 from connector.keys import KeyBuilder, layout_signature
 from connector.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.ledger import RequestLedger
@@ -68,7 +68,7 @@ class _Job:
 
 class MooncakeStoreWorker:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, tp_rank: int,
-                 num_blocks: int, groups: tuple[GroupSpec, ...] = (GroupSpec(),),
+                 num_blocks: int, groups: tuple[GroupSpec, ...] = ONE_FULL,
                  layout_order: tuple[int, ...] | None = None) -> None:
         self.config = config
         self.tp_rank = tp_rank

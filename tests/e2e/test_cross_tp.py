@@ -24,6 +24,7 @@ from tests.conftest import engine_extra
 
 FLOAT32 = ("--dtype", "float32")
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+START_TIMEOUT_S = 600
 MODELS = {
     "gqa": lambda d: make_tiny_llama(d, hidden=256, heads=8, kv_heads=4),
     "hybrid": lambda d: make_tiny_llama(d, heads=4, kv_heads=2, sliding_window=64),
@@ -40,8 +41,10 @@ def distinct_prompts(seed: int, n: int = 3, tokens: int = 368) -> list[list[int]
 def engine(model: str, tp: int, master=None, prefix: str = "") -> VllmServer:
     kv = connector_kv_config(engine_extra(master, cache_prefix=prefix, store_tp_size=2)) \
         if master else None
+    # Two engine processes and a worker per rank start slowly on a shared 2-core host.
     return VllmServer(model, kv, env=TP2_ENV if tp > 1 else {},
-                      extra_args=(*FLOAT32, "--tensor-parallel-size", str(tp))).start()
+                      extra_args=(*FLOAT32, "--tensor-parallel-size", str(tp))
+                      ).start(timeout=START_TIMEOUT_S)
 
 
 def serve(server: VllmServer, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:

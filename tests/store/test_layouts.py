@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from connector.config import load_config
-from connector.groups import FULL, SLIDING, GroupSpec
+from connector.groups import FULL, ONE_FULL, SLIDING, GroupSpec
 from connector.keys import KeyBuilder, Layout
 from connector.kv_regions import interior_order, rank_heads
 from connector.metadata import BlockTransfer, StepMetadata
@@ -44,7 +44,7 @@ MODES = {"staged": {"staging": "on", "staging_buffer_size": 3 * 8192},
 def workers(master, store_node):
     made: list[MooncakeStoreWorker] = []
 
-    def make(caches, prefix, tp=1, rank=0, store_tp=0, heads=HEADS, groups=(GroupSpec(),),
+    def make(caches, prefix, tp=1, rank=0, store_tp=0, heads=HEADS, groups=ONE_FULL,
              layout=KVCacheLayout.LBHNC, **extra) -> MooncakeStoreWorker:
         cfg = load_config(master.store_config(global_segment_size=0, local_buffer_size="16MB",
                                               load_threads=2, **extra), environ={})

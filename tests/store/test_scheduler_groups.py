@@ -12,7 +12,7 @@ import pytest
 from vllm.v1.core.block_pool import BlockPool
 
 from connector.config import load_config
-from connector.groups import FULL, SLIDING, GroupSpec
+from connector.groups import FULL, ONE_FULL, SLIDING, GroupSpec
 from connector.keys import KeyBuilder, Layout
 from connector.scheduler import MooncakeStoreScheduler
 from tests.store.test_scheduler import BS, ask, request, step_output
@@ -155,7 +155,7 @@ def test_a_preempted_request_releases_its_pins(sched):
 def test_an_engine_that_cannot_write_its_layout_saves_nothing(sched):
     """store_tp_size 1 on TP=2: each object spans both ranks' heads; the engine reads them
     (slices) but plans no saves, so it holds no blocks for saves either."""
-    s = sched(groups=(GroupSpec(),), tp=2, store_tp=1)
+    s = sched(groups=ONE_FULL, tp=2, store_tp=1)
     assert not s.saves
     req = request("r", hashes("reader", 3), 3 * BS + 1)
     s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
@@ -163,4 +163,4 @@ def test_an_engine_that_cannot_write_its_layout_saves_nothing(sched):
         [SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4],), num_computed_tokens=0)],
         {"r": 3 * BS + 1}))
     assert meta.saves == () and s.request_finished(req, [1, 2, 3, 4]) == (False, None)
-    assert sched(groups=(GroupSpec(),), tp=2, store_tp=2).saves
+    assert sched(groups=ONE_FULL, tp=2, store_tp=2).saves
