@@ -22,7 +22,7 @@ from bench.autothreads import format_auto
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
-FILES = (REPO / "README.md", DOCS / "benchmark.md")
+FILES = (REPO / "README.md", DOCS / "benchmark.md", DOCS / "layouts.md")
 BLOCK = re.compile(r"<!-- bench:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /bench:(?P=name) -->",
                    re.S)
 MARK = {True: "met", False: "**missed**", None: "unresolved"}
@@ -48,6 +48,10 @@ class Runs:
     @cached_property
     def serve(self) -> dict[str, Any]:
         return self._json("serve.json")
+
+    @cached_property
+    def layouts(self) -> dict[str, Any]:
+        return self._json("layouts.json")
 
     @cached_property
     def demo(self) -> str:
@@ -379,6 +383,32 @@ def readme_serve(r: Runs) -> str:
 """
 
 
+def _bytes(v: float) -> str:
+    return f"{v / 1024:,.1f} KiB" if v >= 1024 else f"{v:,.0f} B"
+
+
+def layouts_table(r: Runs) -> str:
+    """docs/layouts.md: bytes per prompt token stored and moved, per layout (bench.layouts)."""
+    d = r.layouts
+    rows = ["", "| layout | model | one stored object holds | store_tp_size | written by | "
+            "read by | objects per block | stored per token | per-rank copies would store | "
+            "moved per token, per reading rank |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in d["rows"]:
+        blocks = x["prompt_tokens"] // x["geometry"]["block_size"]
+        moved = sorted(set(x["moved_bytes_per_token_per_rank"]))
+        rows.append(
+            f"| `{x['layout']}` | {x['model']} | {x['what']} | {x['store_tp_size']} | "
+            f"TP={x['writer_tp']} | TP={x['reader_tp']} | {x['objects'] / blocks:g} | "
+            f"{_bytes(x['stored_bytes_per_token'])} | "
+            f"{_bytes(x['per_rank_copies_bytes_per_token'])} | "
+            f"{' / '.join(map(_bytes, moved))} |")
+    m = d["meta"]
+    rows += ["", f"Measured by `{m['command']}` ({m['utc']} UTC, {m['cpus']} CPUs, vLLM "
+             f"{m['vllm']}, Mooncake {m['mooncake']}; `docs/layouts.json`), with a "
+             f"{d['rows'][0]['prompt_tokens']}-token prompt per case.", ""]
+    return "\n".join(rows)
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
     "readme-headlines": readme_headlines,
     "readme-tracing": readme_tracing,
@@ -389,6 +419,7 @@ RENDERERS: dict[str, Callable[[Runs], str]] = {
     "docs-full-output": docs_full_output,
     "docs-serve": docs_serve,
     "readme-serve": readme_serve,
+    "layouts-table": layouts_table,
 }
 
 

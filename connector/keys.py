@@ -146,6 +146,11 @@ def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
     except Exception:  # noqa: BLE001 - platform detection is best effort here
         device = ""
     tp = pc.tensor_parallel_size
+    for cp in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(pc, cp, 1) or 1) > 1:
+            raise ValueError(f"{cp}={getattr(pc, cp)}: context parallelism splits a block's "
+                             "tokens across ranks, which this connector's store layout does not "
+                             "describe; serve without it, or without the connector")
     heads = 1 if latent or getattr(mc, "use_mla", False) else mc.get_total_num_kv_heads()
     return Layout(
         model=model_id or mc.model,

@@ -23,6 +23,7 @@ SETTINGS = {"0 ms", "5 ms", "10 ms",  # master RTTs the runs were set to
 README_PASSAGES = {"readme-demo", "readme-tracing", "readme-headlines", "readme-serve"}
 DOCS_PASSAGES = {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
                  "docs-serve"}
+LAYOUTS_PASSAGES = {"layouts-table"}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,11 @@ def test_the_passages_are_all_there():
     readme = {n for n, _ in claims.blocks(claims.FILES[0].read_text())}
     docs = {n for n, _ in claims.blocks(claims.FILES[1].read_text())}
     assert readme == README_PASSAGES and docs == DOCS_PASSAGES
+    layouts = {n for n, _ in claims.blocks(claims.FILES[2].read_text())}
+    assert layouts == LAYOUTS_PASSAGES
 
 
-@pytest.mark.parametrize("name", sorted(README_PASSAGES | DOCS_PASSAGES))
+@pytest.mark.parametrize("name", sorted(README_PASSAGES | DOCS_PASSAGES | LAYOUTS_PASSAGES))
 def test_an_edited_number_is_caught(name, runs):
     """The comparison has teeth: changing any digit of a passage makes it differ."""
     body = claims.RENDERERS[name](runs)
