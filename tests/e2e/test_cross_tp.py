@@ -10,6 +10,12 @@ groups: the sliding one stores and loads only its window), and a DeepSeek-V2 wit
 latent object per block, written by rank 0, read by every rank).
 
 TP=2 on this 2-core host: `VLLM_CPU_OMP_THREADS_BIND=0|1` (one core per rank).
+
+Each output is compared with engines without the connector of both TP sizes. Where those two
+agree, the engine must give exactly their tokens. Where they disagree (a near-tie of the tiny
+random model that TP=2's other summation order tips, seen with MLA: the references part from
+the second token of one prompt), a reader of the other TP size's KV must give one of them: it
+was seen giving exactly the writer's, as a bit-exact copy of the writer's prefix should.
 """
 
 from __future__ import annotations
@@ -54,6 +60,12 @@ def serve(server: VllmServer, prompts: list[list[int]]) -> tuple[list[list[int]]
     return outputs, {k: after.get(k, 0) - before.get(k, 0) for k in after}
 
 
+def check_outputs(got: list, own: list, other: list) -> None:
+    """`own`'s tokens, or `other`'s where the references of the two TP sizes disagree."""
+    for g, a, b in zip(got, own, other, strict=True):
+        assert g == a or (a != b and g == b), (g, a, b)
+
+
 def check_from_store(delta: dict, prompts: list[list[int]], tp: int) -> None:
     """At least half of the prompt tokens came from the store, on every rank, without errors;
     the loads are counted under this engine's TP size and the stored layout's."""
@@ -90,7 +102,7 @@ def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, master, sto
     tp1 = engine(model, 1, master, prefix)  # loads the TP=2 engine's blocks, then fills
     try:
         got, delta = serve(tp1, first)
-        assert got == want[1][0]
+        check_outputs(got, want[1][0], want[2][0])
         check_from_store(delta, first, 1)
         filled, _ = serve(tp1, second)
     finally:
@@ -102,5 +114,5 @@ def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, master, sto
         got, delta = serve(tp2, second)
     finally:
         tp2.stop()
-    assert got == want[2][1]
+    check_outputs(got, want[2][1], want[1][1])
     check_from_store(delta, second, 2)
