@@ -164,12 +164,14 @@ def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
         pp_rank=(pc.rank // tp) % pc.pipeline_parallel_size,
         hash_algo=algo,
         cache_layout=device,
-        store_tp_size=check_store_tp_size(store_tp_size, heads),
+        store_tp_size=check_store_tp_size(store_tp_size, heads, tp),
     )
 
 
-def check_store_tp_size(store_tp_size: int | None, heads: int) -> int:
-    """The configured store TP size, checked against the model's KV heads (0: unset)."""
+def check_store_tp_size(store_tp_size: int | None, heads: int, tp_size: int = 1) -> int:
+    """The configured store TP size, checked against the model's KV heads and this engine's
+    TP size (0: unset). Shards and ranks must nest: each rank holds whole shards, or each
+    shard spans whole ranks."""
     if not store_tp_size:
         return 0
     if heads % store_tp_size and store_tp_size % heads:
@@ -177,4 +179,10 @@ def check_store_tp_size(store_tp_size: int | None, heads: int) -> int:
         raise ValueError(
             f"store_tp_size: {store_tp_size} does not split the model's {heads} KV heads "
             f"evenly; use one of {divisors} or a multiple of {heads}")
+    shards, ranks = min(store_tp_size, heads), min(tp_size, heads)
+    if max(shards, ranks) % min(shards, ranks):
+        raise ValueError(
+            f"store_tp_size: {store_tp_size} and this engine's TP size {tp_size} do not nest "
+            f"(a rank would hold one and a half shards); use a multiple or a divisor of "
+            f"{tp_size}")
     return store_tp_size

@@ -200,6 +200,9 @@ def plan_group(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, heads: in
                (s * per_shard, (s + 1) * per_shard))
               for s in range(first, (local[1] - 1) // per_shard + 1)]
     whole = all(want == rng for _, want, rng in pieces)
+    if len({want[1] - want[0] for _, want, _ in pieces}) > 1:
+        raise LayoutError(f"{shards} store shards of {heads} KV heads do not nest with TP size "
+                          f"{tp_size}: rank {tp_rank} would hold parts of shards of other sizes")
     n_local = local[1] - local[0]
     # This rank's block is one object exactly when it holds one whole shard: then the tensor's
     # interior is moved as it is, whatever its dimensions mean.

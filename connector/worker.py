@@ -6,6 +6,9 @@
   request is reported finished, so vLLM recomputes them; no request is ever left unfinished.
 - Saves: `start_save` queues one job per request with new full blocks; a pool of one save
   thread writes them (skipping keys the store already holds), each within `save_timeout_s`.
+- What a job moves (`kv_regions.plan_group`, per KV cache group): this rank's store objects of
+  each block, whole store shards or, where it holds part of a shard, its byte ranges of it
+  (ranged gets). A rank holding no whole shard, or a replica of another rank's, saves nothing.
 - Block lifetime (`ledger.RequestLedger`): blocks of a request with jobs in flight are not
   freed (the scheduler delays the free until every rank reports the request in
   finished_sending) and not reused after a preemption (`wait_preempted` waits for the

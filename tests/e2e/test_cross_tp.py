@@ -7,7 +7,9 @@ block is two objects of half the KV heads, whichever TP size wrote them).
 Three models: a Llama with 8 heads and 4 KV heads (GQA: each TP=2 rank moves its own shard, the
 TP=1 engine both), a Llama with sliding-window layers beside full attention (two KV cache
 groups: the sliding one stores and loads only its window), and a DeepSeek-V2 with MLA (one
-latent object per block, written by rank 0, read by every rank).
+latent object per block, written by rank 0, read by every rank). With the GQA model also
+`store_tp_size: 1`: a TP=1 engine stores one object per block and each TP=2 rank reads its
+half of it.
 
 TP=2 on this 2-core host: `VLLM_CPU_OMP_THREADS_BIND=0|1` (one core per rank).
 
@@ -44,9 +46,10 @@ def distinct_prompts(seed: int, n: int = 3, tokens: int = 368) -> list[list[int]
     return [[rng.randrange(3, 1000) for _ in range(tokens)] for _ in range(n)]
 
 
-def engine(model: str, tp: int, master=None, prefix: str = "") -> VllmServer:
-    kv = connector_kv_config(engine_extra(master, cache_prefix=prefix, store_tp_size=2)) \
-        if master else None
+def engine(model: str, tp: int, master=None, prefix: str = "", store_tp: int = 2
+           ) -> VllmServer:
+    kv = connector_kv_config(engine_extra(master, cache_prefix=prefix,
+                                          store_tp_size=store_tp)) if master else None
     # Two engine processes and a worker per rank start slowly on a shared 2-core host.
     return VllmServer(model, kv, env=TP2_ENV if tp > 1 else {},
                       extra_args=(*FLOAT32, "--tensor-parallel-size", str(tp))
@@ -84,11 +87,12 @@ def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, master, sto
     prefix = f"cross-tp-{kind}"
     # Engines without the connector, per TP size: TP=2 sums its partial results in another
     # order, which can move a near-tie of a tiny random model (seen with MLA in float32).
+    third = distinct_prompts(3) if kind == "gqa" else []
     want = {}
     for tp in (1, 2):
         ref = engine(model, tp)
         try:
-            want[tp] = serve(ref, first)[0], serve(ref, second)[0]
+            want[tp] = serve(ref, first)[0], serve(ref, second)[0], serve(ref, third)[0]
         finally:
             ref.stop()
 
@@ -116,3 +120,26 @@ def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, master, sto
         tp2.stop()
     check_outputs(got, want[2][1], want[1][1])
     check_from_store(delta, second, 2)
+    if third:
+        reads_slices(model, master, prefix + "-s1", third, want)
+
+
+def reads_slices(model: str, master, prefix: str, prompts: list, want: dict) -> None:
+    """store_tp_size 1: a TP=1 engine stores each block as one object; each rank of a TP=2
+    engine reads only its half of it (ranged gets), and saves nothing."""
+    tp1 = engine(model, 1, master, prefix, store_tp=1)
+    try:
+        filled, _ = serve(tp1, prompts)
+    finally:
+        tp1.stop()
+    assert filled == want[1][2]
+    tp2 = engine(model, 2, master, prefix, store_tp=1)
+    try:
+        got, delta = serve(tp2, prompts)
+    finally:
+        tp2.stop()
+    check_outputs(got, want[2][2], want[1][2])
+    check_from_store(delta, prompts, 2)
+    assert metric_sum(delta, "vllm:mooncake_pool_layout_keys_total", op="load",
+                      layout="kv_heads_slice") > 0
+    assert metric_sum(delta, "vllm:mooncake_pool_save_keys_total") == 0

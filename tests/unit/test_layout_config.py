@@ -44,6 +44,9 @@ def test_store_tp_size_must_split_the_kv_heads():
     assert check_store_tp_size(4, 1) == 4  # MLA: one latent; any TP size stores it once
     with pytest.raises(ValueError, match=r"store_tp_size: 3 .* 8 KV heads.*\[1, 2, 4, 8\]"):
         check_store_tp_size(3, 8)
+    assert check_store_tp_size(2, 6, tp_size=6) == 2  # each shard spans 3 ranks (read-only)
+    with pytest.raises(ValueError, match="store_tp_size: 3 and this engine's TP size 2"):
+        check_store_tp_size(3, 6, tp_size=2)  # rank 0 would hold shard 0 and half of shard 1
 
 
 def test_the_chart_schema_admits_the_lists():
