@@ -392,10 +392,10 @@ def layouts_table(r: Runs) -> str:
     d = r.layouts
     rows = ["", "| layout | model | one stored object holds | store_tp_size | written by | "
             "read by | objects per block | stored per token | per-rank copies would store | "
-            "moved per token, per reading rank |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "moved per loaded token, per reading rank |", "|---" * 10 + "|"]
     for x in d["rows"]:
         blocks = x["prompt_tokens"] // x["geometry"]["block_size"]
-        moved = sorted(set(x["moved_bytes_per_token_per_rank"]))
+        moved = sorted(set(x["moved_bytes_per_loaded_token_per_rank"]))
         rows.append(
             f"| `{x['layout']}` | {x['model']} | {x['what']} | {x['store_tp_size']} | "
             f"TP={x['writer_tp']} | TP={x['reader_tp']} | {x['objects'] / blocks:g} | "
@@ -405,7 +405,8 @@ def layouts_table(r: Runs) -> str:
     m = d["meta"]
     rows += ["", f"Measured by `{m['command']}` ({m['utc']} UTC, {m['cpus']} CPUs, vLLM "
              f"{m['vllm']}, Mooncake {m['mooncake']}; `docs/layouts.json`), with a "
-             f"{d['rows'][0]['prompt_tokens']}-token prompt per case.", ""]
+             f"{d['rows'][0]['prompt_tokens']}-token prompt per case; a hit loads all of it but "
+             "the block of its last token.", ""]
     return "\n".join(rows)
 
 

