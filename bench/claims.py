@@ -1,5 +1,6 @@
-"""The benchmark numbers quoted in README.md and docs/benchmark.md, rendered from the committed
-JSON files, so that the prose cannot drift from the runs.
+"""The measured numbers quoted in README.md and the docs site (docs/*.md: the benchmark, the
+failover timings), rendered from the committed JSON files, so that the prose cannot drift from
+the runs.
 
 A quoted passage sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; `RENDERERS[NAME]`
 writes it from the JSON. `python -m bench.claims` rewrites every marked passage in place after a
@@ -11,18 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import report, serve_stats
 from bench.autothreads import format_auto
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
-FILES = (REPO / "README.md", DOCS / "benchmark.md", DOCS / "layouts.md")
+# Every page a passage may sit on: a passage moved to another page stays rendered and checked.
+FILES = (REPO / "README.md", *sorted(DOCS.rglob("*.md")))
 BLOCK = re.compile(r"<!-- bench:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /bench:(?P=name) -->",
                    re.S)
 MARK = {True: "met", False: "**missed**", None: "unresolved"}
@@ -52,6 +55,14 @@ class Runs:
     @cached_property
     def layouts(self) -> dict[str, Any]:
         return self._json("layouts.json")
+
+    @cached_property
+    def failover(self) -> dict[str, Any]:
+        return self._json("failover.json")
+
+    @cached_property
+    def frozen(self) -> dict[str, Any]:
+        return self._json("frozen-peer.json")["frozen_get"]
 
     @cached_property
     def demo(self) -> str:
@@ -321,23 +332,42 @@ def readme_demo(r: Runs) -> str:
     return f"\n```\n{r.demo.strip()}\n```\n"
 
 
-def _serve_targets(r: Runs) -> str:
-    mark = {True: "met", False: "**missed**", None: "not measured"}
-    summary = r.serve["summary"]
+_SERVE_MARK = {True: "met", False: "**missed**", None: "**not resolved**"}
 
-    def loads(t: dict[str, Any]) -> str:
-        """The machine's load behind each compared row: ratios between rows run at different
-        loads carry that difference."""
-        cases = [c for c in summary if c in t["target"].replace("best fixed", "ours-1t ours-4t")]
-        pts = {pt: ", ".join(f"{c} {summary[c][pt]['loadavg_1m']:.1f}" for c in cases
-                             if pt in summary[c]) for pt in t["measured"]}
-        return "; ".join(f"{pt}: {v}" for pt, v in pts.items())
 
-    return "\n".join(
-        f"- {t['target']}: "
-        + (", ".join(f"{pt} {v:.2f}x" for pt, v in t["measured"].items()) or "-")
-        + f": {mark[t['met']]}" + (f" (load average {loads(t)})" if t["measured"] else "")
-        for t in r.serve["targets"])
+def _serve_targets(r: Runs, targets_only: bool = False) -> str:
+    """One line per comparison: per load point the median [95 % interval] and, for a target,
+    met / missed / not resolved with the reason (re-judged by the current rules)."""
+    lines = []
+    for t in serve_stats.evaluate(r.serve):
+        if targets_only and t["bound"] is None:
+            continue
+        pts = "; ".join(
+            f"{pt} {v['median']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]"
+            + (f" vs {v['against']}" if "against" in v else "")
+            + (f": {_SERVE_MARK[v['met']]} ({v['reason']})" if t["bound"] is not None else "")
+            for pt, v in t["points"].items())
+        lines.append(f"- {t['target']}: {pts}")
+    return "\n".join(lines)
+
+
+def _serve_noise(s: dict[str, Any]) -> str:
+    m = s["meta"]
+    loads = [t["loadavg_1m"] for t in s["turns"]]
+    text = (f"load average (1 min) at the start of each turn {min(loads):.1f} to "
+            f"{max(loads):.1f} on {m['host']['cpus']} CPUs")
+    others = [t["others_cores"] for t in s["turns"] if "others_cores" in t]
+    if others:  # processes outside the benchmark's own (engines, store, client)
+        text += (f", other processes using {statistics.median(others):.2f} cores per turn "
+                 f"(median; at most {max(others):.2f})")
+    return text + (": **a noisy run, over the core count; these numbers are not a record, "
+                   "re-record on a quiet machine**" if m["noisy"] else " (a quiet run)")
+
+
+def _serve_breakdown(s: dict[str, Any]) -> str:
+    head, *rows = serve_stats.breakdown_rows(s["summary"])
+    return "\n".join("| " + " | ".join(r) + " |"
+                     for r in [head, ["---"] * len(head), *rows])
 
 
 def docs_serve(r: Runs) -> str:
@@ -345,30 +375,44 @@ def docs_serve(r: Runs) -> str:
     m = s["meta"]
     w = m["workload"]
     rows = ["| case | load point | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s | "
-            "prompt tokens from the store | from the local cache | rounds (TTFT p50 range) | "
-            "load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "prompt tokens from the store | from the local cache | rounds (TTFT p50 range) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for case, pts in s["summary"].items():
         for pt, v in pts.items():
             lo, hi = v["ttft_p50_ms_range"]
             rows.append(f"| {case} | {pt} | {v['ttft_p50_ms']:.0f} | {v['ttft_p99_ms']:.0f} | "
                         f"{v['itl_p50_ms']:.1f} | {v['itl_p99_ms']:.1f} | "
                         f"{v['request_throughput']:.2f} | {v['store_hit_tokens']:.0f} | "
-                        f"{v['local_hit_tokens']:.0f} | {v['rounds']} ({lo:.0f}-{hi:.0f}) | "
-                        f"{v['loadavg_1m']:.1f} |")
-    loads = [v["loadavg_1m"] for pts in s["summary"].values() for v in pts.values()]
+                        f"{v['local_hit_tokens']:.0f} | {v['rounds']} ({lo:.0f}-{hi:.0f}) |")
+    points = ", ".join(f"`{p['name']}`" for p in m["load_points"])
+    ref = s["reference"]
+    refs = "; ".join(f"{pt} {statistics.median(v):.1f} ms (rounds {min(v):.1f}-{max(v):.1f})"
+                     for pt, v in ref["per_round_ms"].items())
     return f"""
-Run of {m['date']} ({m['mode']} mode, commit {m['commit']}, {m['wall_s']:.0f} s): a Llama
-with {m['model']['layers']} layers, hidden {m['model']['hidden']}; `prefix_repetition`,
-{w['prompts']} requests of {w['prefix_len']} + {w['suffix_len']} prompt tokens
-({w['distinct_prefixes']} distinct prefixes) and {w['output_len']} output tokens; load points
-{', '.join(f"`{p['name']}`" for p in m['load_points'])}; {m['rounds']} rounds per case and load
-point. Medians over rounds; the last column gives the spread of TTFT p50 over rounds. Load
-average (1 min) at the start of each run, median per row: {min(loads):.1f} to
-{max(loads):.1f}, on {m['host']['cpus']} CPUs shared with other jobs.
+Run of {m['date']} ({m['mode']} mode, commit {m['commit']}, {m['wall_s']:.0f} s,
+`{m['command']}`): a Llama with {m['model']['layers']} layers, hidden {m['model']['hidden']}
+(bfloat16); `prefix_repetition`, {w['prompts']} requests of {w['prefix_len']} +
+{w['suffix_len']} prompt tokens ({w['distinct_prefixes']} distinct prefixes) and
+{w['output_len']} output tokens; load points {points}; {m['rounds']} rounds, the cases in a
+fresh random order in each; {_serve_noise(s)}.
 
 {chr(10).join(rows)}
 
+Reference get of one request's prefix ({ref['blocks']} blocks, {ref['bytes'] / 2**20:.1f} MiB, one
+`batch_get_into` into a registered buffer), median over rounds: {refs}.
+
+Comparisons: the median over rounds of the per-round paired value, [its distribution-free
+{serve_stats.LEVEL:.0%} interval] (a target is met only when the whole interval is on its side,
+missed when the median is not, otherwise not resolved):
+
 {_serve_targets(r)}
+
+Where the store's share of TTFT goes: mean ms per request that loaded from the store, from the
+engines' `ttft_store_*` histograms over all rounds (the phases add up to the store ms; in-step
+loads have no report wait, handoff or reschedule). `ours-4t-async` is the load path before these
+changes (every load asynchronous, queued after the forward pass), `ours-4t` the defaults now:
+
+{_serve_breakdown(s)}
 
 ![TTFT distribution per case](serve-ttft.png)
 """
@@ -376,10 +420,10 @@ average (1 min) at the start of each run, median per row: {min(loads):.1f} to
 
 def readme_serve(r: Runs) -> str:
     return f"""
-  - Serving benchmark (`python -m bench.serve`, vLLM's own `vllm bench serve` client, a fresh
-    engine reading prefixes another engine stored; [table](docs/benchmark.md#serving),
-    [TTFT plot](docs/serve-ttft.png)), targets:
-{chr(10).join('    ' + line for line in _serve_targets(r).splitlines())}
+  - Serving benchmark (`python -m bench.serve`, vLLM's own `vllm bench serve` client, the
+    cases interleaved round by round; [tables and the TTFT breakdown](benchmark.md#serving),
+    [TTFT plot](serve-ttft.png)); {_serve_noise(r.serve)}; targets:
+{chr(10).join('    ' + line for line in _serve_targets(r, True).splitlines())}
 """
 
 
@@ -410,7 +454,117 @@ def layouts_table(r: Runs) -> str:
     return "\n".join(rows)
 
 
+# (phase, timeline fields, what governs it): the failover table, one column per run.
+TIMELINE_ROWS = (
+    ("first store call fails (`-900`, connection reset): the breaker opens", ("first_call_s",),
+     "-"),
+    ("a store call made anyway blocks, then `-900`", ("blocked_call_s",),
+     "the Mooncake client's wait for a leader (not `MC_RPC_TIMEOUT_MS`): the breaker makes "
+     "jobs skip it"),
+    ("etcd names the new leader", ("new_leader_in_etcd_s",),
+     "the old leader's etcd lease (no flag in this release)"),
+    ("the new leader serves", ("new_leader_serving_s",),
+     "leader warm-up (no flag): the new leader publishes its address in etcd when it starts, "
+     "and opens its RPC port when it ends"),
+    ("the connector's breaker closes (store calls resume)", ("breaker_closed_s",),
+     "the probe thread: once etcd names a new leader it connects to its RPC port every 0.1 s, "
+     "then makes one store call"),
+    ("the store node has remounted its segment on the new leader", ("segment_remounted_s",),
+     "the store node's own client: after a failed switch to the warming-up leader it retries "
+     "after 1 s (Mooncake's `LeaderMonitorThreadMain`)"),
+    ("first get of an old object (store hits are back), first put",
+     ("first_old_get_ok_s", "first_put_ok_s"),
+     "until the remount gets answer `-703` and puts `-200`: those jobs fail alone and "
+     "recompute, the breaker stays closed"),
+    ("of which after the new leader serves: the connector's and the store node's part",
+     ("store_hits_after_serving_s",), "the two rows above"),
+)
+
+
+def _secs(run: dict[str, Any], fields: tuple[str, ...]) -> str:
+    return ", ".join(f"{run[f]:.2f}" for f in fields)
+
+
+def failover_timeline(r: Runs) -> str:
+    t = r.failover["timeline"]
+    runs = t["runs"]
+    head = " | ".join(f"run {i + 1}" for i in range(len(runs)))
+    rows = [f"| phase | {head} | what governs it |", "|---" * (len(runs) + 2) + "|"]
+    rows += [f"| {phase} | " + " | ".join(_secs(run, fields) for run in runs) + f" | {why} |"
+             for phase, fields, why in TIMELINE_ROWS]
+    rows.append("| objects readable after the failover | " + " | ".join(
+        f"{run['objects_readable_after']} / {run['objects']}" for run in runs)
+        + " | `--enable_oplog=true` |")
+    rows.append("| load average (1 min) at the kill | " + " | ".join(
+        f"{run['loadavg_1m']:.1f}" for run in runs) + f" | {t['host']}, shared |")
+    return f"""
+Timeline of a leader SIGKILL as the connector's store client sees it (`python -m
+devkit.ha_timeline`, {len(runs)} runs at commit {t['commit']}, Mooncake {t['mooncake']},
+`docs/failover.json` `timeline`; seconds after the kill):
+
+{chr(10).join(rows)}
+"""
+
+
+def _pct_of(after: float, before: float) -> str:
+    return f"{after / before * 100:.0f} % ({after:.0f} of {before:.0f})"
+
+
+def failover_serve(r: Runs) -> str:
+    f = r.failover
+    k, p, fp = f["serve_leader_kill"], f["serve_leader_partition"], f["serve_failed_promotion"]
+    rows = [
+        "| fault | behaviour |", "|---|---|",
+        f"| leader SIGKILLed during a burst of {k['requests']} store-hit requests | "
+        f"{k['failed_requests']} failed requests, outputs identical to an engine without the "
+        f"connector; the burst ends {k['burst_done_after_kill_s']:.2f} s after the kill, "
+        "because jobs fail fast to recompute while no leader serves; the new leader served "
+        f"{k['new_leader_serving_s']:.2f} s after the kill, and store hits were back with the "
+        f"request sent at {k['store_hits_back_s']:.2f} s (the one sent at "
+        f"{k['last_request_without_hit_s']:.2f} s had none); the same prompts then take "
+        f"{_pct_of(k['store_hit_tokens_after'], k['store_hit_tokens_before'])} of the prompt "
+        "tokens from the store that they took before (none re-saved); new prefixes are saved "
+        "and hit; `vllm:mooncake_pool_master_failovers_total` +1, `master_down_seconds_total` "
+        f"+{k['master_down_s']:.2f} s (load average {k['loadavg_1m']:.1f}) |",
+        "| leader partitioned (its link cut in a network namespace: packets vanish, no reset) | "
+        "a call in flight to it waits for its RPC timeout (`store_timeout_s`, 2 s in the "
+        "test), later jobs fail fast: the burst ends "
+        f"{p['burst_done_after_partition_s']:.2f} s after the cut; the same prompts take "
+        f"{p['cache_survival'] * 100:.0f} % of their store tokens again; healed, the old leader "
+        "rejoins as a standby |",
+        "| standby killed | nothing: no failure, every prefix still hits |",
+        "| a promotion that cannot open its RPC port (held by another socket when the leader "
+        f"is SIGKILLed; the master exits with status {fp['exit_statuses'][0]}) | "
+        f"{fp['failed_requests']} failed requests, outputs identical; the slowest request "
+        f"during the outage took {fp['slowest_request_during_outage_s']:.2f} s (recomputed); "
+        "a real Prometheus scraping both masters had the `MooncakeMasterNoServingLeader` "
+        f"expression true {fp['alert_expression_true_s']:.2f} s after the kill; the dev kit's "
+        "supervisor restarted the master once the port was free (the chart: restartPolicy), "
+        f"it served {fp['new_leader_serving_s']:.2f} s after the kill, and store hits were "
+        f"back with the request sent at {fp['store_hits_back_s']:.2f} s (the one sent at "
+        f"{fp['last_request_without_hit_s']:.2f} s had none; load average "
+        f"{fp['loadavg_1m']:.1f}) |",
+    ]
+    return f"""
+In a real `vllm serve` (`tests/e2e/test_ha_failover.py`, commit {k['commit']}, figures in
+`docs/failover.json`; seconds after the fault):
+
+{chr(10).join(rows)}
+"""
+
+
+def frozen_get(r: Runs) -> str:
+    f = r.frozen
+    return (f"measured by `python -m devkit.frozen_peer`: {f['store_node']['code']} after "
+            f"{f['store_node']['seconds']:.1f} s from a frozen store node, "
+            f"{f['master']['code']} after {f['master']['seconds']:.1f} s through a frozen "
+            "master")
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
+    "failover-timeline": failover_timeline,
+    "failover-serve": failover_serve,
+    "frozen-get": frozen_get,
     "readme-headlines": readme_headlines,
     "readme-tracing": readme_tracing,
     "readme-demo": readme_demo,

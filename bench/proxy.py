@@ -13,6 +13,12 @@ bandwidth cap adds serialisation time per chunk (bytes / rate) on top of the del
     python -m bench.proxy --target 127.0.0.1:50051 --rtt-ms 1.0 [--listen-port 0] [--mbps 100]
 
 prints `LISTENING <port>` once it accepts connections.
+
+For fault tests, each line on its stdin sets the mode (`DelayProxy.set_mode`): `forward` (the
+default); `drop`, a black hole that keeps every connection open and discards what is sent either
+way (a request lost this way is never retransmitted, so its call waits for its RPC timeout even
+after `forward` again); or `garbage:<kind>`, where each new connection gets one canned HTTP
+answer from `GARBAGE` (an etcd gateway answering nonsense) while open ones keep forwarding.
 """
 
 from __future__ import annotations
@@ -29,6 +35,17 @@ from dataclasses import dataclass, field
 
 HOST = "127.0.0.1"
 _CHUNK = 1 << 16
+_mode = "forward"  # set from stdin by _read_modes
+
+# Answers a broken etcd gateway may give: no HTTP at all, a body cut short, JSON of the wrong
+# shape, and a master view that is not host:port.
+_VIEW = '{"kvs": [{"key": "eA==", "value": "bm8tcG9ydC1oZXJl"}]}'  # value: b64("no-port-here")
+GARBAGE = {
+    "status": b"garbage\r\n\r\n",
+    "incomplete": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"kvs\": [",
+    "shape": b"HTTP/1.1 200 OK\r\nContent-Length: 14\r\n\r\n{\"kvs\": [{}]}",
+    "view": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_VIEW), _VIEW.encode()),
+}
 
 
 def _pump(src: socket.socket, dst: socket.socket, one_way_s: float, bytes_per_s: float) -> None:
@@ -38,7 +55,8 @@ def _pump(src: socket.socket, dst: socket.socket, one_way_s: float, bytes_per_s:
     def reader() -> None:
         try:
             while data := src.recv(_CHUNK):
-                pending.put((time.perf_counter() + one_way_s, data))
+                if _mode != "drop":
+                    pending.put((time.perf_counter() + one_way_s, data))
         except OSError:
             pass
         pending.put(None)
@@ -67,6 +85,14 @@ def _pump(src: socket.socket, dst: socket.socket, one_way_s: float, bytes_per_s:
 
 def _handle(client: socket.socket, target: tuple[str, int], one_way_s: float,
             bytes_per_s: float) -> None:
+    if _mode.startswith("garbage:"):
+        try:
+            client.recv(_CHUNK)  # the request
+            client.sendall(GARBAGE[_mode.split(":", 1)[1]])
+        except OSError:
+            pass
+        client.close()
+        return
     try:
         upstream = socket.create_connection(target, timeout=10)
     except OSError:
@@ -79,8 +105,16 @@ def _handle(client: socket.socket, target: tuple[str, int], one_way_s: float,
         threading.Thread(target=_pump, args=(a, b, one_way_s, bytes_per_s), daemon=True).start()
 
 
+def _read_modes() -> None:
+    global _mode
+    for line in sys.stdin:
+        _mode = line.strip()
+        print(f"MODE {_mode}", flush=True)
+
+
 def serve(listen_port: int, target: tuple[str, int], rtt_ms: float, mbps: float) -> None:
     """Accept connections forever; each gets its own pair of delayed pumps."""
+    threading.Thread(target=_read_modes, daemon=True).start()
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((HOST, listen_port))
@@ -109,8 +143,8 @@ class DelayProxy:
     def start(self) -> DelayProxy:
         cmd = [sys.executable, "-m", "bench.proxy", "--target", self.target,
                "--rtt-ms", str(self.rtt_ms), "--mbps", str(self.mbps)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                     start_new_session=True,
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True,
                                      cwd=os.path.dirname(os.path.dirname(__file__)))
         line = self.proc.stdout.readline() if self.proc.stdout else ""  # "" if it died
         if not line.startswith("LISTENING"):
@@ -118,6 +152,13 @@ class DelayProxy:
             raise RuntimeError(f"delay proxy did not start: {line!r}")
         self.port = int(line.split()[1])
         return self
+
+    def set_mode(self, mode: str) -> None:
+        """`forward`, `drop` or `garbage:<kind>` (see the module doc); returns once it applies."""
+        assert mode in ("forward", "drop") or mode.removeprefix("garbage:") in GARBAGE, mode
+        self.proc.stdin.write(mode + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == f"MODE {mode}"
 
     def stop(self) -> None:
         from devkit.processes import stop_process

@@ -111,15 +111,30 @@ def format_table(rows: Sequence[dict[str, Any]], ceiling: dict[str, Any]) -> str
     return "\n".join(out)
 
 
+def _order_k(n: int, level: float) -> int:
+    """Largest k with P(Binomial(n, 1/2) < k+1) * 2 <= 1 - level (0 when n is too small)."""
+    k = 0
+    while k + 1 < n and 2 * sum(math.comb(n, i) for i in range(k + 2)) / 2**n <= 1 - level:
+        k += 1
+    return k
+
+
 def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
     """Distribution-free interval for the median: the order statistics that the sign test
     puts around it with at least `level` coverage (the whole range when n is too small)."""
     v = sorted(xs)
     n = len(v)
-    k = 0  # largest k with P(Binomial(n, 1/2) < k+1) * 2 <= 1 - level
-    while k + 1 < n and 2 * sum(math.comb(n, i) for i in range(k + 2)) / 2**n <= 1 - level:
-        k += 1
+    k = _order_k(n, level)
     return (v[k], v[n - 1 - k]) if n else (math.nan, math.nan)
+
+
+def interval_coverage(n: int, level: float = 0.95) -> float:
+    """The coverage `median_interval` actually has for n values (below `level` when n is too
+    small: under 6 values even the whole range covers less than 95 %)."""
+    if n == 0:
+        return 0.0
+    k = _order_k(n, level)
+    return 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
 
 
 def round_ratios(summary: dict[str, Any], cfg: str) -> list[float]:

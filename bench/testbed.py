@@ -149,6 +149,42 @@ class CpuMeter:
         return out
 
 
+def _descendants(root: int) -> list[int]:
+    """root and every live process below it (by the parent ids in /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+class OthersMeter:
+    """Cores that processes outside this one's process tree (its engines, store, master and
+    client included) used over a window: what else runs on the machine."""
+
+    def start(self) -> None:
+        self._t0, self._busy0, self._ours0 = time.perf_counter(), _system_busy_s(), self._ours()
+
+    @staticmethod
+    def _ours() -> float:
+        return sum(_proc_cpu_s(p) for p in _descendants(os.getpid()))
+
+    def stop(self) -> float:
+        dt = max(1e-9, time.perf_counter() - self._t0)
+        return round(max(0.0, (_system_busy_s() - self._busy0 - (self._ours() - self._ours0))
+                         / dt), 2)
+
+
 def wait_until_quiet(meter: CpuMeter, threshold: float, max_wait_s: float,
                      window_s: float = 1.0) -> float:
     """Wait (up to max_wait_s) for a window in which other processes use < threshold cores.

@@ -3,16 +3,16 @@
 Why: the best thread count depends on where a load's time goes. When preparation and master
 round trips dominate (small jobs, a slow master, an RDMA data path), more threads overlap them
 and throughput scales; when the data path itself is CPU-bound (TCP on a small host), extra
-threads only contend and throughput drops. Measured on one 2-core host: 4 threads are 3.5x one
-thread at a 5 ms master RTT, and 0.75x at no delay (docs/benchmark.md). No fixed value is right
-for both.
+threads only contend and throughput drops. On a 2-core host 4 threads load several times
+faster than one at a 5 ms master RTT and slower than one with no delay (the figures:
+docs/benchmark.md, rendered from docs/benchmark.json). No fixed value is right for both.
 
 How: hill climbing on load throughput, measured only in saturated windows (jobs queued and
 the active threads busy nearly all the time: the pool's capacity at that count; windows with
 idle gaps are skipped), so only while the pool is the bottleneck. The tuner is a subscriber of
 the worker's load events: each receive thread adds its job's bytes, queue wait and service
-time to its own slot (no lock on the data path); a tuner thread reads the sums every
-`window_s`.
+time to its own slot (under an uncontended lock: the watchdog adds a job of that thread that
+expired); a tuner thread reads the sums every `window_s`.
 
 It starts at one thread (vLLM's default). A probe moves the active count, skips one window
 for the transition (as after the start and after a revert), and compares the median of
@@ -170,8 +170,10 @@ class ThreadTuner(Subscriber):
         self._climber = HillClimber(start, threads)
         self._set_active = set_active
         self._window_s = window_s
-        # Per receive thread: [jobs, bytes, queue wait s, service s], written by that thread only.
+        # Per receive thread: [jobs, bytes, queue wait s, service s]. Written by that thread,
+        # and by the watchdog for a job of it that expired: under the lock (uncontended).
         self._slots = [[0, 0, 0.0, 0.0] for _ in range(threads)]
+        self._lock = threading.Lock()
         self._last = [0, 0, 0.0, 0.0]
         self.errors = 0  # windows the tuner failed to judge (logged; tuning goes on)
         self._on_error = on_error
@@ -181,14 +183,20 @@ class ThreadTuner(Subscriber):
         self._thread.start()
 
     def on_load(self, ev: LoadEvent) -> None:
+        if ev.thread is None:  # expired in the queue: no thread's service to measure
+            return
+        if ev.thread >= len(self._slots):
+            return  # the in-step load thread (connector.step_loads) is not the pool's
         s = self._slots[ev.thread]
-        s[0] += 1
-        s[1] += ev.nbytes
-        s[2] += ev.t_start - ev.t_enqueue
-        s[3] += ev.t_end - ev.t_start
+        with self._lock:
+            s[0] += 1
+            s[1] += ev.nbytes
+            s[2] += ev.t_start - ev.t_enqueue
+            s[3] += ev.t_end - ev.t_start
 
     def _totals(self) -> list[float]:
-        return [sum(s[i] for s in self._slots) for i in range(4)]
+        with self._lock:
+            return [sum(s[i] for s in self._slots) for i in range(4)]
 
     def _run(self) -> None:
         while not self._stop.wait(self._window_s):

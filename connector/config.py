@@ -1,9 +1,9 @@
 """Connector configuration: one validated, frozen object built once at startup.
 
 Every key is declared once, in `KEYS` (name, type, bounds, default, doc, environment
-variable), as `metric_catalog` declares the metrics: the parser, the README table
-(`python -m connector.config`) and the Helm schema test all read it, so a key cannot drift
-between them. Importable without vLLM.
+variable), as `metric_catalog` declares the metrics: the parser, the docs' key table
+(`python -m connector.config`, docs/configuration.md) and the Helm schema test all read it, so
+a key cannot drift between them. Importable without vLLM.
 
 Sources, highest priority first:
   1. ``kv_connector_extra_config`` keys;
@@ -56,7 +56,7 @@ class Key:
     env: str = ""  # read when the key is set nowhere else
     mooncake: bool = False  # also accepted in the MOONCAKE_CONFIG_PATH file (in-tree field)
     fix: str = ""  # how to fix an out-of-range value
-    shown: str = ""  # the default as the README shows it, when it is not a plain value
+    shown: str = ""  # the default as the docs show it, when it is not a plain value
     pattern: str = ""  # text: a regular expression the whole value must match
 
     def parse(self, value: Any, name: str) -> Any:
@@ -122,8 +122,10 @@ KEYS: tuple[Key, ...] = (
     Key("transfer_timeout", "float", None,
         "in-tree field, seconds: Mooncake's own call timeouts (`MC_TCP_STATUS_TIMEOUT_SEC`, "
         "`MC_TRANSFER_TIMEOUT`, `MC_RPC_TIMEOUT_MS`) unless the environment sets them; the only "
-        "bound on zero-copy transfers", lo=0.1, hi=3600, mooncake=True,
-        shown="Mooncake's (30 s)"),
+        "bound on zero-copy transfers, which hold their request's blocks until they return",
+        lo=0.1, hi=3600, mooncake=True,
+        shown="`load_timeout_s` where transfers are zero-copy (`staging: off`, or `auto` on "
+              "GPUs and RDMA), else Mooncake's (30 s)"),
     # Connector keys: extra_config only.
     Key("load_threads", "int", 1,
         "receive threads, 1..64, or `auto`: the connector adapts the number of active threads "
@@ -149,6 +151,16 @@ KEYS: tuple[Key, ...] = (
     Key("staging_buffer_size", "size", 16 * 2**20,
         "staging buffer per receive thread (and one for saves), 4 KiB..1 GiB; a job larger than "
         "it is moved in several calls", lo=4096, hi=2**30, shown="`16MB`"),
+    Key("sync_load_ms", "float", 50.0,
+        "loads expected to take at most this long (all of one engine step's together, from "
+        "recent transfer times) run inside the step, which waits for them: the request's "
+        "prefill runs in that step instead of one or two steps later. Staged transfers only "
+        "(see `staging`); a load still running at 10x this (1 s at least) is stopped and "
+        "recomputed. 0: every load is asynchronous (see `docs/ttft.md`)", lo=0, hi=1000),
+    Key("load_early_start", "bool", True,
+        "KV caches in host memory: queue a step's asynchronous loads before its forward pass "
+        "rather than after it (on CPU the forward runs on the thread that queues them); off "
+        "where vLLM zeroes newly allocated blocks"),
     Key("cache_prefix", "text", "mcpool",
         "key namespace; engines share blocks only within one prefix (1-64 of `A-Z a-z 0-9 . _ "
         "-`: it is the first part of every store key)", pattern=r"[A-Za-z0-9._-]{1,64}",
@@ -193,11 +205,15 @@ KEYS: tuple[Key, ...] = (
     Key("store_timeout_s", "float", 5.0, "connect timeout when probing the master at startup",
         lo=0.1, hi=600),
     Key("load_timeout_s", "float", 5.0,
-        "deadline of a load job (queued or running); past it its blocks are load errors and "
-        "vLLM recomputes them", lo=0.1, hi=3600),
+        "deadline of a load job, from its enqueue: a job still queued then never starts, a "
+        "staged one still running is reported, and vLLM recomputes its blocks; a zero-copy get "
+        "writes into the blocks until its call returns, bounded by `transfer_timeout` (this "
+        "value by default); a thread whose own call outlives it is replaced", lo=0.1, hi=3600),
     Key("save_timeout_s", "float", 30.0,
-        "deadline of a save job; past it the request's blocks are released and the save is "
-        "abandoned", lo=0.1, hi=3600),
+        "deadline of a save job, from its enqueue: one that has not read its blocks yet is "
+        "dropped and its request's blocks released; one reading them (a zero-copy put, a staged "
+        "copy) keeps them until the call returns (`transfer_timeout`); a thread whose own call "
+        "outlives it is replaced", lo=0.1, hi=3600),
 )
 BY_NAME = {k.name: k for k in KEYS}
 MOONCAKE_KEYS = tuple(k.name for k in KEYS if k.mooncake)
@@ -307,6 +323,8 @@ class ConnectorConfig:
     load_split_blocks: int = _d("load_split_blocks")
     staging: str = _d("staging")
     staging_buffer_size: int = _d("staging_buffer_size")
+    sync_load_ms: float = _d("sync_load_ms")
+    load_early_start: bool = _d("load_early_start")
     cache_prefix: str = _d("cache_prefix")
     model_id: str | None = _d("model_id")
     store_tp_size: int | None = _d("store_tp_size")
@@ -523,7 +541,7 @@ def _threads(merged: dict[str, Any], source: dict[str, str]) -> tuple[int, bool]
     return _int_in_range(raw, name, int(key.lo), int(key.hi), key.fix), False
 
 
-# ---- the README table --------------------------------------------------------------------
+# ---- the docs' key table ----------------------------------------------------------------
 def _shown(key: Key) -> str:
     if key.shown:
         return key.shown
@@ -604,8 +622,11 @@ def sync_helm_schema(path: str = HELM_SCHEMA, check: bool = False) -> bool:
     return False
 
 
-def sync_readme(path: str = "README.md", check: bool = False) -> bool:
-    """Write the key table between the README's markers; with check, only compare."""
+CONFIG_PAGE = "docs/configuration.md"
+
+
+def sync_docs(path: str = CONFIG_PAGE, check: bool = False) -> bool:
+    """Write the key table between the configuration page's markers; with check, only compare."""
     return sync_block(path, "config-table", markdown_table(), check)
 
 
@@ -613,5 +634,5 @@ if __name__ == "__main__":
     import sys
 
     check = "--check" in sys.argv
-    ok = sync_readme(check=check) & sync_helm_schema(check=check)
+    ok = sync_docs(check=check) & sync_helm_schema(check=check)
     sys.exit(0 if ok or not check else 1)

@@ -107,6 +107,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                         "can write alone, so this engine loads from the store but saves "
                         "nothing; set store_tp_size to a multiple of %d to save too",
                         layout.shards, layout.tp_size, layout.tp_size)
+                self._trace(self.scheduler, 0, "scheduler")
             else:
                 self._start_worker(vllm_config, kv_cache_config)
         except StoreUnavailable as e:
@@ -125,21 +126,28 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank = get_tensor_model_parallel_rank()
         except Exception:  # noqa: BLE001 - not initialised (e.g. unit tests): derive it
             tp_rank = vllm_config.parallel_config.rank % tp_size
-        self.worker = MooncakeStoreWorker(self.config, self.keys, tp_rank,
-                                          kv_cache_config.num_blocks, self.groups,
-                                          _interior_order(vllm_config))
+        self.worker = MooncakeStoreWorker(
+            self.config, self.keys, tp_rank, kv_cache_config.num_blocks,
+            kv_on_host=getattr(vllm_config.device_config, "device_type", "cpu") == "cpu",
+            zeroes_blocks=getattr(kv_cache_config, "needs_kv_cache_zeroing", False),
+            groups=self.groups, layout_order=_interior_order(vllm_config))
+        self._trace(self.worker, tp_rank, "worker")
+        logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
+                    "keys %s", tp_rank, tp_size,
+                    f"auto 1..{self.config.load_threads}" if self.config.load_threads_auto
+                    else self.config.load_threads, self.keys.fingerprint)
+
+    def _trace(self, side: Any, tp_rank: int, kind: str) -> None:
+        """Add a span exporter to a side's events when tracing is on (the worker's exemplars
+        come from its recorder; the scheduler traces the requests that loaded from the store)."""
         from connector.sampling import TraceSampler
         from connector.tracing import SpanExporter, tracing_enabled
 
         if tracing_enabled():
             sampler = TraceSampler.configured(self.config.trace_sample_ratio)
             if not sampler.never:
-                self.worker.add_subscriber(SpanExporter(
-                    sampler, tp_rank, "worker", on_traced=self.worker.recorder.traced_load))
-        logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
-                    "keys %s", tp_rank, tp_size,
-                    f"auto 1..{self.config.load_threads}" if self.config.load_threads_auto
-                    else self.config.load_threads, self.keys.fingerprint)
+                traced = side.recorder.traced_load if kind == "worker" else None
+                side.add_subscriber(SpanExporter(sampler, tp_rank, kind, on_traced=traced))
 
     # ---- classmethods used by vLLM at config time and in the API server -------------------
     @classmethod
@@ -213,8 +221,10 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.set_kv_signature(signatures.pop())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called before every step's forward, with the step's metadata."""
         assert isinstance(kv_connector_metadata, StepMetadata)
         self.worker.wait_preempted(kv_connector_metadata)
+        self.worker.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -240,6 +250,10 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        """The step's finished loads, timed (connector.ttft), for the scheduler."""
+        return self.worker.take_load_times()
 
     # ---- both ------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

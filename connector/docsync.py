@@ -1,4 +1,4 @@
-"""Generated blocks in Markdown files: the text between `<!-- NAME:start -->` and
+"""Generated blocks in the docs pages: the text between `<!-- NAME:start -->` and
 `<!-- NAME:end -->` is written by code (the metric and config catalogues), so docs cannot
 drift from the source of truth; the test suite runs the same function with `check`."""
 

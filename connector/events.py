@@ -1,25 +1,36 @@
 """The events the connector publishes, and the subscriber interface.
 
-Load and save jobs, and scheduler lookups, each end with one event that carries every timestamp
-and size. Metrics (`stats.StatsRecorder`) and tracing (`tracing.SpanExporter`) are separate
-subscribers of these events, so either can be switched off without touching the data path.
+Load and save jobs, scheduler lookups, and requests that loaded from the store each end with one
+event that carries every timestamp and size. Metrics (`stats.StatsRecorder`) and tracing
+(`tracing.SpanExporter`) are separate subscribers of these events, so either can be switched
+off without touching the data path.
 Timestamps are `time.perf_counter()` seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
+# The thread label of a load job that expired (or was failed at shutdown) before any thread
+# took it: its queue wait and error count, never a thread's.
+QUEUED_THREAD = "queued"
+
+
+def request_hash(req_id: str) -> str:
+    """A short stable digest of a request id, for span attributes and logs (never labels)."""
+    return hashlib.blake2b(req_id.encode(), digest_size=8).hexdigest()
 
 
 @dataclass(slots=True)
 class LoadEvent:
     """One finished load job (one request on one TP rank)."""
 
-    thread: int
+    thread: int | None  # the receive thread's slot; None: the job expired before one took it
     tp_rank: int
     request_hash: str  # a digest of the request id: span attribute, never a metric label
     keys: int
@@ -68,6 +79,26 @@ class LookupEvent:
     miss_tokens: int
     seconds: float
     code: str = ""
+    t_end: float = 0.0  # when the answer was in (perf_counter), for the request timeline
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """One request that loaded its prefix from the store: where the store's share of its time
+    to first token went, from its arrival at the scheduler until its prefill could run
+    (`connector.ttft`). Published by the scheduler once every phase is known."""
+
+    request_hash: str
+    mode: str  # "async": waited in WAITING_FOR_REMOTE_KVS; "sync": loaded inside the step
+    blocks: int
+    failed: bool  # some blocks failed to load (vLLM recomputed them)
+    t_arrival: float  # perf_counter on the scheduler
+    phases: tuple[tuple[str, float], ...]  # (phase, seconds), consecutive from t_arrival
+    trace_headers: Mapping[str, str] | None = None  # the request's incoming trace context
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s in self.phases)
 
 
 class Subscriber:
@@ -82,6 +113,9 @@ class Subscriber:
 
     def on_lookup(self, ev: LookupEvent) -> None:
         """A scheduler lookup's answer was used."""
+
+    def on_request(self, ev: RequestEvent) -> None:
+        """A request's store load is behind it and its prefill was scheduled (scheduler)."""
 
 
 class Publisher:
@@ -109,3 +143,6 @@ class Publisher:
 
     def lookup(self, ev: LookupEvent) -> None:
         self._each("on_lookup", ev)
+
+    def request(self, ev: RequestEvent) -> None:
+        self._each("on_request", ev)

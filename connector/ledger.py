@@ -1,5 +1,5 @@
-"""Request-lifetime bookkeeping on the worker: which requests still have loads or saves in
-flight, what vLLM must be told next poll, and which preempted requests' saves were abandoned.
+"""Request-lifetime bookkeeping on the worker: which requests still have loads or saves that
+hold their blocks, and what vLLM must be told next poll.
 
 Loads and saves are counted apart. vLLM needs to hear that a request's *load* finished (it
 waits in WAITING_FOR_REMOTE_KVS until then), and separately that its *saves* finished (its
@@ -29,7 +29,6 @@ class RequestLedger:
         self._done_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._awaiting_free: set[str] = set()
-        self._abandoned: set[str] = set()  # preempted requests whose saves outlived the wait
 
     # ---- submission (model-runner thread) --------------------------------------------------
     def add_loads(self, req_ids: Iterable[str]) -> None:
@@ -57,11 +56,11 @@ class RequestLedger:
             self._lock.notify_all()
 
     def finish_save(self, req_id: str) -> None:
+        """A save lets go of the request's blocks (it ended, or was expired or dropped)."""
         with self._lock:
             self._saves[req_id] -= 1
             if self._saves[req_id] <= 0:
                 del self._saves[req_id]
-                self._abandoned.discard(req_id)
             self._lock.notify_all()
 
     # ---- what vLLM polls -------------------------------------------------------------------
@@ -89,25 +88,26 @@ class RequestLedger:
         with self._lock:
             return not (self._loads or self._saves)
 
+    def awaiting_free(self, req_id: str) -> bool:
+        """The request finished: vLLM frees its blocks once its jobs let go of them."""
+        with self._lock:
+            return req_id in self._awaiting_free
+
+    def wait_loaded(self, req_ids: set[str], timeout: float) -> bool:
+        """Block until no load job of these requests is in flight; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not any(self._loads.get(r) for r in req_ids),
+                                       timeout)
+
     # ---- preemption ------------------------------------------------------------------------
     def wait_idle(self, req_ids: tuple[str, ...], timeout: float) -> set[str]:
-        """Block until no job of these requests is in flight, or `timeout`; the requests still
-        busy then are marked abandoned and returned."""
+        """Block until no job of these requests is in flight, or `timeout`; returns those
+        still busy then."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while any(self._busy(r) for r in req_ids):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    stuck = {r for r in req_ids if self._busy(r)}
-                    self._abandoned |= stuck
-                    return stuck
+                    return {r for r in req_ids if self._busy(r)}
                 self._lock.wait(left)
         return set()
-
-    def abandon(self, req_id: str) -> None:
-        with self._lock:
-            self._abandoned.add(req_id)
-
-    def is_abandoned(self, req_id: str) -> bool:
-        with self._lock:
-            return req_id in self._abandoned

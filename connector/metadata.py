@@ -46,6 +46,8 @@ class StepMetadata(KVConnectorMetadata):
     """One scheduler step's instructions for every worker rank."""
 
     loads: tuple[BlockTransfer, ...] = ()
+    # Loads this step's forward waits for (their requests are scheduled in it: step_loads).
+    sync_loads: tuple[BlockTransfer, ...] = ()
     saves: tuple[BlockTransfer, ...] = ()
     # Requests whose blocks vLLM keeps until every rank reports them in finished_sending,
     # because a save or a load for them may still touch their blocks.

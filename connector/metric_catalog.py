@@ -1,7 +1,7 @@
 """The single list of Prometheus families the connector exports.
 
 `prom.py` builds the metric objects from it, the dashboards and alert rules are checked
-against it, and the README table is generated from it, so a name cannot drift between them.
+against it, and the docs' table (docs/observability.md) is generated from it, so a name cannot drift between them.
 Every family also carries vLLM's own `model_name` and `engine` labels. `cache_prefix` (the
 tenant) is filled in by the frontend from the connector's config, not carried in the stats.
 `known_series` lists the series exported as 0 from startup.
@@ -79,7 +79,7 @@ FAMILIES: tuple[Family, ...] = (
            "What bandwidth does each thread achieve?"),
     Family("load_keys", "counter", _T, "Store keys (one per block and TP rank) loaded.",
            "How many blocks does each thread move?"),
-    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error).",
+    Family("load_jobs", "counter", _T + ("status",), "Load jobs finished, by status (ok or error); thread=\"queued\" counts jobs that expired before any thread took them.",
            "How is work spread across threads, and how much fails?"),
     Family("load_busy_seconds", "counter", _T, "Time a receive thread spent working on jobs; its rate is utilisation.",
            "Are threads saturated or idle?"),
@@ -121,15 +121,22 @@ FAMILIES: tuple[Family, ...] = (
            "Is staging memory bounded while calls hang?"),
     Family("autotune_errors", "counter", _R, "Windows the load_threads: auto tuner could not judge (logged; tuning goes on).",
            "Is the auto tuner healthy?"),
+    # The store's share of time to first token (scheduler; requests that load from the store).
+    Family("ttft_store_seconds", "histogram", ("mode",), "Time a request that loads from the store spends before its prefill runs: from its arrival at the scheduler until its prefill is scheduled with the loaded prefix; mode async (it waited in WAITING_FOR_REMOTE_KVS) or sync (loaded inside the engine step, which waited for it). Compare with vllm:time_to_first_token_seconds.",
+           "How much time to first token does a store hit cost?"),
+    Family("ttft_store_phase_seconds", "histogram", ("phase",), "The phases of ttft_store_seconds, per request, in order: lookup (arrival to the store lookup's answer), admit (to the load sent to the workers), load_start (to the load queued on the worker), load_queue (to a receive thread taking it), load_transfer (store get and copies), load_report (to vLLM hearing of it, at a step's end), handoff (the rest of the round trip from the scheduler to the workers and back), reschedule (to the prefill scheduled).",
+           "Where does a store hit's extra time to first token go?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code"),
-           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (save given up at a preemption or deadline), unavailable (no client), other.",
+           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
     # Master outages and HA failovers, as this rank's store client rode through them.
     Family("master_failovers", "counter", _R, "HA master failovers this rank's store client rode through: its circuit breaker opened on an RPC failure and closed on a different leader.",
            "Did the master group fail over, and did every engine follow the new leader?"),
     Family("master_down_seconds", "counter", _R, "Time this rank's store client had no master answering (circuit breaker open: store jobs fail fast and vLLM recomputes); counted while it lasts.",
            "How long was the cache unavailable during a master outage or failover?"),
+    Family("master_probe_errors", "counter", _R, "Rounds of the circuit breaker's probe that failed with an error (etcd answering garbage, an exception from the store client) instead of finding the master still down; logged, and the probe goes on.",
+           "Is something broken besides the outage itself (etcd, a proxy, the client)?"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}
@@ -140,17 +147,20 @@ EXEMPLAR_FAMILIES = ("load_job_seconds", "load_transfer_seconds")
 EXEMPLAR_LABELS = ("trace_id", "span_id")
 
 LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
+# Values of ttft_store_phase_seconds' phase label, in the order a request goes through them.
+TTFT_PHASES = ("lookup", "admit", "load_start", "load_queue", "load_transfer", "load_report",
+               "handoff", "reschedule")
+TTFT_MODES = ("async", "sync")
 # (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
-# pools' watchdog, exception, abandoned, other).
+# pools' watchdog, exception, abandoned, short_read, other).
 _RPC = ("-900", "-901")
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     *(("load", c) for c in ("-704", "-600", "-800", *_RPC, "unavailable", "timeout",
-                            "shutdown", "exception", "other")),
+                            "shutdown", "exception", "other", "short_read")),
     *(("save", c) for c in ("-200", "-800", *_RPC, "unavailable", "timeout", "shutdown",
                             "exception", "abandoned", "other")),
     *(("save_exists", c) for c in _RPC),
-    *(("save_remove", c) for c in (*_RPC, "other")),
     *(("lookup", c) for c in (*_RPC, "unavailable", "exception")),
 )
 
@@ -162,14 +172,15 @@ def known_series(tp_size: int) -> list[str]:
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
-                 f"master_failovers|{rank}", f"master_down_seconds|{rank}"]
+                 f"master_failovers|{rank}", f"master_down_seconds|{rank}",
+                 f"master_probe_errors|{rank}"]
         keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
                  if op != "lookup" or rank == 0]
     return keys
 
 
 def markdown_table() -> str:
-    """The README table of every family."""
+    """The docs' table of every family (docs/observability.md)."""
     rows = ["| name | type | labels | meaning | question it answers |", "|---|---|---|---|---|"]
     for f in FAMILIES:
         labels = ", ".join(("model_name", "engine") + f.labels)
@@ -177,13 +188,17 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def sync_readme(path: str = "README.md", check: bool = False) -> bool:
-    """Write the family table between the README's markers; with check, only compare."""
+METRICS_PAGE = "docs/observability.md"
+
+
+def sync_docs(path: str = METRICS_PAGE, check: bool = False) -> bool:
+    """Write the family table between the observability page's markers; with check, only
+    compare."""
     return sync_block(path, "metric-table", markdown_table(), check)
 
 
 if __name__ == "__main__":
     import sys
 
-    ok = sync_readme(check="--check" in sys.argv)
+    ok = sync_docs(check="--check" in sys.argv)
     sys.exit(0 if ok or "--check" not in sys.argv else 1)

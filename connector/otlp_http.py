@@ -1,11 +1,12 @@
 """A lean OTLP/HTTP (protobuf) trace exporter for the connector's fixed-shape spans.
 
 Why not the SDK's: building five spans with the OpenTelemetry SDK and encoding them with its
-OTLP encoder costs about 300 us of CPU per load job in Python (tracer bookkeeping, then one
-protobuf object per attribute). At sampling 1.0 that is 10-15 % of a CPU-bound loader's
-throughput. The connector's spans always have the same shape, so they are written straight to
-protobuf wire format here (field numbers from opentelemetry-proto `trace/v1/trace.proto`, a
-stable format; tests decode the bytes with the official generated classes), about 10x cheaper.
+OTLP encoder costs far more CPU per load job in Python (tracer bookkeeping, then one protobuf
+object per attribute), a visible share of a CPU-bound loader's throughput at sampling 1.0. The
+connector's spans always have the same shape, so they are written straight to protobuf wire
+format here (field numbers from opentelemetry-proto `trace/v1/trace.proto`, a stable format;
+tests decode the bytes with the official generated classes). Both costs per load job, measured:
+docs/benchmark.md (rendered from docs/benchmark.json).
 
 Configuration follows the OTLP exporter spec: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _HEADERS,
 _TIMEOUT (milliseconds), _COMPRESSION (gzip) and _CERTIFICATE; resource attributes come from the

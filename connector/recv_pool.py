@@ -10,12 +10,13 @@ keeps per-slot in-flight flags for the gauges, and survives any exception a hand
 `set_active(n)` parks slots n.. (they take no job at all), for `load_threads: auto`.
 
 Deadlines. A store call cannot be cancelled, and a frozen peer can hold one for as long as
-Mooncake's own timeouts (30 s by default). With `deadline_s`, a watchdog expires a job that is
-still queued or running past its deadline and calls `on_expire(job, reason)`, so the request
-goes on (vLLM recomputes) instead of waiting. What keeps memory safe is the job's `Ticket`:
-a handler writes into memory vLLM owns only inside `ticket.writing()`, and the watchdog
-never expires a ticket in that state (it waits; writes from memory the job owns are quick).
-The thread stuck in the call is retired: its slot gets a fresh thread (and with it fresh
+Mooncake's own timeouts. With `deadline_s`, a job's deadline is `deadline_s` after it was
+submitted: a job still queued then is expired and never starts, and a running one is expired
+(`on_expire(job, reason, slot)`), so the request goes on (vLLM recomputes) instead of waiting.
+What keeps memory safe is the job's `Ticket`: a handler reads or writes memory vLLM owns only
+inside `ticket.touching()`, and nothing expires a ticket in that state (it waits for the block
+to exit; `drop` likewise). A thread is *stuck* only when its own call outlives `deadline_s`
+(queue time does not count): it is retired, its slot gets a fresh thread (and with it fresh
 thread-local buffers, see the worker), at most `max_stuck` of them at a time, and the old
 thread exits once its call returns, after `on_retire()` has released what it held.
 """
@@ -33,19 +34,23 @@ from typing import Generic, TypeVar
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 J = TypeVar("J")
 
-QUEUED, RUNNING, WRITING, DONE, EXPIRED = range(5)
+QUEUED, RUNNING, TOUCHING, DONE, EXPIRED = range(5)
 WATCHDOG_TICK_S = 0.05
+TIMEOUT = "timeout"  # the reason given to on_expire for a job past its deadline
 
 
 class Ticket(Generic[J]):
-    """One job's state, shared by its thread and the watchdog under the pool's lock."""
+    """One job's state, shared by its thread, the watchdog and `drop` under the pool's lock."""
 
-    __slots__ = ("job", "deadline", "state", "_lock")
+    __slots__ = ("job", "deadline", "state", "slot", "started", "stuck", "_lock")
 
     def __init__(self, job: J, deadline: float, lock: threading.Lock) -> None:
         self.job = job
         self.deadline = deadline
         self.state = QUEUED
+        self.slot: int | None = None  # the slot whose thread runs it (None while queued)
+        self.started = 0.0  # monotonic time a thread took it
+        self.stuck = False  # its thread's call outlived the bound (noted once)
         self._lock = lock
 
     @property
@@ -60,26 +65,26 @@ class Ticket(Generic[J]):
             return True
 
     @contextlib.contextmanager
-    def writing(self) -> Iterator[bool]:
-        """Yields True if the job may write into memory vLLM owns (it has not expired);
-        the watchdog cannot expire it until the block exits."""
-        ok = self._move((RUNNING,), WRITING)
+    def touching(self) -> Iterator[bool]:
+        """Yields True if the job may read or write memory vLLM owns (it has not expired and
+        was not dropped); nothing can expire it until the block exits."""
+        ok = self._move((RUNNING,), TOUCHING)
         try:
             yield ok
         finally:
             if ok:
-                self._move((WRITING,), RUNNING)
+                self._move((TOUCHING,), RUNNING)
 
     def finish(self) -> bool:
-        """Mark the job done; False if the watchdog expired it first (it reported it)."""
-        return self._move((RUNNING, WRITING), DONE)
+        """Mark the job done; False if it was expired or dropped first (that reported it)."""
+        return self._move((RUNNING, TOUCHING), DONE)
 
 
 class RecvPool(Generic[J]):
     def __init__(self, threads: int, handler: Callable[[J, int, Ticket[J]], None],
                  name: str = "mcpool-recv", active: int | None = None,
                  deadline_s: float = 0.0,
-                 on_expire: Callable[[J, str], None] | None = None,
+                 on_expire: Callable[[J, str, int | None], None] | None = None,
                  on_retire: Callable[[], None] | None = None,
                  on_replace: Callable[[], None] | None = None,
                  max_stuck: int | None = None) -> None:
@@ -97,7 +102,7 @@ class RecvPool(Generic[J]):
         self._live: deque[Ticket[J]] = deque()  # queued or running tickets, oldest first
         self.inflight = [0] * threads
         self.jobs_done = [0] * threads
-        self.expired = 0  # jobs the watchdog reported (counted once each)
+        self.expired = 0  # jobs expired or dropped (reported once each)
         self.replaced = 0  # threads retired while stuck and replaced
         self.stuck = 0  # retired threads still inside their call
         # High-water marks since the last take_peaks(): a gauge sampled once per engine step
@@ -107,8 +112,8 @@ class RecvPool(Generic[J]):
         self.active = max(1, min(threads if active is None else active, threads))
         self._closing = False
         self._owner: list[threading.Thread | None] = [None] * threads
-        self._current: dict[threading.Thread, Ticket[J]] = {}
-        self._threads: list[threading.Thread] = []
+        self._current: dict[threading.Thread, Ticket[J]] = {}  # retired threads included
+        self._threads: list[threading.Thread] = []  # live ones (for close); pruned on spawn
         for i in range(threads):
             self._spawn(i)
         self._watchdog = None
@@ -125,7 +130,7 @@ class RecvPool(Generic[J]):
         t = threading.Thread(target=self._run, args=(slot,), name=f"{self._name}-{slot}",
                              daemon=True)
         self._owner[slot] = t
-        self._threads.append(t)
+        self._threads = [th for th in self._threads if th.is_alive()] + [t]
         t.start()
 
     def submit(self, job: J) -> None:
@@ -142,7 +147,7 @@ class RecvPool(Generic[J]):
                 self._peak_depth = max(self._peak_depth, len(self._jobs))
                 self._work.notify()
         if closing:
-            self._expire_now(job, "shutdown")
+            self._expire_now(job, "shutdown", None)
 
     def set_active(self, n: int) -> None:
         """Let slots 0..n-1 take jobs; the others park after their current job."""
@@ -162,13 +167,50 @@ class RecvPool(Generic[J]):
         self._busy = [0] * len(busy)
         return depth, busy
 
-    def _next(self, slot: int) -> Ticket[J] | None:
-        """The next job for this slot's thread, or None when it must exit."""
+    @property
+    def idle(self) -> bool:
+        """No job queued and no call running (a retired thread's included)."""
+        with self._lock:
+            return not self._jobs and not self._current
+
+    @property
+    def stalled(self) -> bool:
+        """A call in the pool (a retired thread's included) has outlived `deadline_s`."""
+        if self._deadline_s <= 0:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            return any(now - t.started > self._deadline_s for t in self._current.values())
+
+    def drop(self, match: Callable[[J], bool], reason: str, running: bool = True) -> int:
+        """Expire now every queued job (and, with `running`, every running one not inside
+        `touching()`) that `match`es, reporting each with `reason`; returns how many. A running
+        job's thread goes on with its call, but may no longer touch vLLM's memory."""
+        with self._lock:
+            states = (QUEUED, RUNNING) if running else (QUEUED,)
+            hit = [t for t in (*self._jobs, *self._current.values())
+                   if t.state in states and match(t.job)]
+            for t in hit:
+                t.state = EXPIRED
+            if hit:
+                self._prune()
+        for t in hit:
+            self._expire_now(t.job, reason, t.slot)
+        return len(hit)
+
+    def _prune(self) -> None:
+        """With the lock held: forget expired tickets in the queue (no thread may be free to
+        pop them, e.g. while every slot is stuck)."""
+        self._jobs = deque(t for t in self._jobs if t.state == QUEUED)
+
+    def _next(self, slot: int) -> tuple[Ticket[J] | None, bool]:
+        """The next job for this slot's thread, and whether its deadline passed in the queue
+        (then it is expired and must not start); (None, False) when the thread must exit."""
         me = threading.current_thread()
         with self._lock:
             while True:
                 if self._owner[slot] is not me or (self._closing and not self._jobs):
-                    return None
+                    return None, False
                 if slot >= self.active and not self._closing:
                     self._park.wait()
                     continue
@@ -178,16 +220,23 @@ class RecvPool(Generic[J]):
                 ticket = self._jobs.popleft()
                 if ticket.state != QUEUED:  # expired while queued: already reported
                     continue
-                ticket.state = RUNNING
+                now = time.monotonic()
+                if ticket.deadline and now >= ticket.deadline:
+                    ticket.state = EXPIRED  # before the watchdog saw it: never start it
+                    return ticket, True
+                ticket.state, ticket.slot, ticket.started = RUNNING, slot, now
                 self._current[me] = ticket
-                return ticket
+                return ticket, False
 
     def _run(self, slot: int) -> None:
         me = threading.current_thread()
         while True:
-            ticket = self._next(slot)
+            ticket, late = self._next(slot)
             if ticket is None:
                 break
+            if late:
+                self._expire_now(ticket.job, TIMEOUT, None)
+                continue
             self.inflight[slot] = self._busy[slot] = 1
             try:
                 self._handler(ticket.job, slot, ticket)
@@ -212,11 +261,11 @@ class RecvPool(Generic[J]):
                 logger.exception("%s: releasing a retired thread's buffers failed", self._name)
 
     # ---- deadlines -------------------------------------------------------------------------
-    def _expire_now(self, job: J, reason: str) -> None:
+    def _expire_now(self, job: J, reason: str, slot: int | None) -> None:
         self.expired += 1
         if self._on_expire is not None:
             try:
-                self._on_expire(job, reason)
+                self._on_expire(job, reason, slot)
             except Exception:
                 logger.exception("%s: reporting an expired job failed", self._name)
 
@@ -233,37 +282,40 @@ class RecvPool(Generic[J]):
                 while self._live and self._live[0].deadline <= now:
                     t = self._live.popleft()
                     if t.state in (QUEUED, RUNNING):
-                        was_running = t.state == RUNNING
                         t.state = EXPIRED
                         expired.append(t)
-                        if was_running:
-                            self._retire_holder(t)
-                    elif t.state == WRITING:  # never under a write: look again next tick
+                    elif t.state == TOUCHING:  # never inside touching(): look again next tick
                         keep.append(t)
                 self._live.extendleft(reversed(keep))
+                if any(t.slot is None for t in expired):
+                    self._prune()
+                for holder, t in list(self._current.items()):
+                    if not t.stuck and now - t.started > self._deadline_s:
+                        t.stuck = True
+                        self._retire(holder, t)
             for t in expired:
-                self._expire_now(t.job, "timeout")
+                self._expire_now(t.job, TIMEOUT, t.slot)
             for _ in range(self.replaced - replaced_before):
                 if self._on_replace is not None:
                     self._on_replace()
 
-    def _retire_holder(self, ticket: Ticket[J]) -> None:
-        """Called with the lock held: the thread running `ticket` is stuck in a call."""
-        holder = next((th for th, t in self._current.items() if t is ticket), None)
-        if holder is None:
+    def _retire(self, holder: threading.Thread, ticket: Ticket[J]) -> None:
+        """Called with the lock held: `holder` has been inside one call for longer than the
+        bound (its own call, not its job's queue time): replace it if the bound allows."""
+        if ticket.slot is None or self._owner[ticket.slot] is not holder:
             return
-        slot = self._owner.index(holder) if holder in self._owner else -1
-        if slot < 0 or self.stuck >= self.max_stuck:
-            logger.warning("%s: a job is stuck past its deadline and %d stuck threads already "
-                           "wait for their calls; its slot waits too", self._name, self.stuck)
+        if self.stuck >= self.max_stuck:
+            logger.warning("%s: a call has run past the %.1fs bound and %d stuck threads "
+                           "already wait for their calls; its slot waits too", self._name,
+                           self._deadline_s, self.stuck)
             return
         self.stuck += 1
         self.replaced += 1
-        self.inflight[slot] = 0
-        logger.warning("%s thread %d is stuck in a store call past its deadline: retired "
+        self.inflight[ticket.slot] = 0
+        logger.warning("%s thread %d is stuck in a store call past its %.1fs bound: retired "
                        "(exits when the call returns), replaced by a fresh thread",
-                       self._name, slot)
-        self._spawn(slot)
+                       self._name, ticket.slot, self._deadline_s)
+        self._spawn(ticket.slot)
 
     # ---- shutdown --------------------------------------------------------------------------
     def close(self, timeout: float = 5.0) -> list[threading.Thread]:
@@ -278,11 +330,12 @@ class RecvPool(Generic[J]):
             self._park.notify_all()
             self._work.notify_all()
         for t in queued:
-            self._expire_now(t.job, "shutdown")
+            self._expire_now(t.job, "shutdown", None)
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        threads = list(self._threads)
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        busy = [t for t in self._threads if t.is_alive()]
+        busy = [t for t in threads if t.is_alive()]
         if busy:
             logger.warning("%s: threads still inside a store call at shutdown: %s",
                            self._name, [t.name for t in busy])

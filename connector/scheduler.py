@@ -5,6 +5,13 @@ engine loop never waits on the master for more than `lookup_wait_ms`; until the 
 `get_num_new_matched_tokens` returns None and vLLM retries the request next step. A lookup that
 errors or exceeds `lookup_timeout_s` is a miss, never an exception in the engine.
 
+Against a master that is slow but answers, dead lookups must not pile up ahead of live ones: a
+lookup that times out is cancelled if it has not started, one that starts past its deadline
+makes no store call, and a running one stops before its next window (a store call in flight
+cannot be cancelled; Mooncake's RPC timeout bounds it). So the executor holds at most the
+lookups of requests still waiting in vLLM, each costing at most one call past its deadline,
+and `shutdown()` closes the client only after every call still running has returned.
+
 KV cache groups (`connector.groups`): a prefix is a hit only as far as every group can restore
 it (every store shard of each block a group needs); each group loads and saves with its own
 block table, a sliding-window group only the window blocks. vLLM frees a sliding-window block
@@ -29,16 +36,20 @@ from connector.groups import FULL, ONE_FULL, GroupSpec, window_hit
 from connector.keys import KeyBuilder
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.stats import StatsRecorder
+from connector.step_loads import StepLoadPolicy
 from connector.store import (
     EXCEPTION_CODE,
     StoreError,
     StoreHandle,
     error_code_label,
 )
+from connector.ttft import LoadTimes, RequestClock
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
-FIRST_WINDOW = 16  # blocks probed by the first batch_is_exist; later windows grow 4x
+# Blocks probed by the first batch_is_exist: one master round trip covers a prefix of up to
+# 2048 tokens at 32 per block. Later windows grow 4x.
+FIRST_WINDOW = 64
 
 
 @dataclass
@@ -53,7 +64,11 @@ class _Tracked:
 @dataclass
 class _Lookup:
     future: cf.Future
-    started: float
+    started: float  # perf_counter at submit; the deadline is started + lookup_timeout_s
+
+
+class _Late(Exception):
+    """A lookup reached its deadline before its next store call."""
 
 
 class MooncakeStoreScheduler:
@@ -62,6 +77,7 @@ class MooncakeStoreScheduler:
                  retention: int | None = 0) -> None:
         self.config = config
         self._keys = keys
+        self._tp_size = keys.layout.tp_size
         self._shards = keys.layout.shards
         self._groups = groups
         self._retention = retention  # vLLM's prefix_cache_retention_interval
@@ -73,17 +89,24 @@ class MooncakeStoreScheduler:
         self._pool: Any = None  # vLLM's BlockPool, for pins
         self._pins: dict[str, list[int]] = {}
         self._store = StoreHandle(config.store, 0, LOOKUP_CLIENT_BUFFER,
-                                  config.on_master_unreachable, config.store_timeout_s)
+                                  config.on_master_unreachable, config.store_timeout_s,
+                                  on_probe_error=lambda: self.recorder.count(
+                                      "master_probe_errors", 0))
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
         self._lookups: dict[str, _Lookup] = {}
+        self._abandoned: list[cf.Future] = []  # timed out or finished while running
         self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
+        self._sync_loads: list[BlockTransfer] = []  # loads the step waits for (step_loads)
+        self._sync: dict[str, bool] = {}  # req_id -> its load goes inside the step
         self._loading: set[str] = set()
         self._saved: set[str] = set()
         self._free_after: list[str] = []
         self.recorder = StatsRecorder()
         self.events = Publisher(self.recorder)
+        self.clock = RequestClock(self.events, self._tp_size)  # where a store hit's TTFT goes
+        self._step_loads = StepLoadPolicy(config.sync_load_ms / 1e3)
         # vLLM asks about every waiting request in one step: the wait for lookups is a budget
         # per step (reset in build_connector_meta), not per request.
         self._step_budget_s = config.lookup_wait_ms / 1e3
@@ -94,6 +117,9 @@ class MooncakeStoreScheduler:
     def saves(self) -> bool:
         """Whether this engine stores blocks (enable_save, and a layout its ranks can write)."""
         return self._save
+
+    def add_subscriber(self, sub: Any) -> None:
+        self.events.add(sub)
 
     def set_kv_signature(self, signature: str) -> None:
         """Key lookups by the KV layout the workers registered (their handshake)."""
@@ -109,14 +135,22 @@ class MooncakeStoreScheduler:
     def prefetch(self, request: Any) -> None:
         """Start the lookup when the request arrives, so the scheduler rarely has to wait."""
         if self.config.enable_load and self._keys_ready and self._lookup_range(request) > 0:
+            self.clock.arrived(request.request_id, getattr(request, "trace_headers", None))
             self._submit(request.request_id, request.block_hashes[:self._lookup_range(request)])
 
     def _submit(self, rid: str, hashes: Sequence[bytes]) -> _Lookup | None:
         lk = self._lookups.get(rid)
         if lk is None and self._store.ready() is not None:
-            lk = self._lookups[rid] = _Lookup(
-                self._executor.submit(self._lookup, tuple(hashes)), time.perf_counter())
+            now = time.perf_counter()
+            lk = self._lookups[rid] = _Lookup(self._executor.submit(
+                self._lookup, tuple(hashes), now + self.config.lookup_timeout_s), now)
         return lk
+
+    def _drop(self, lk: _Lookup) -> None:
+        """Give a lookup up: cancelled if it has not started, else kept for `shutdown()`
+        until its store call returns (it stops at its next window)."""
+        if not lk.future.cancel() and not lk.future.done():
+            self._abandoned = [f for f in self._abandoned if not f.done()] + [lk.future]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -133,7 +167,10 @@ class MooncakeStoreScheduler:
                 return None, False
             self._hits[rid] = hit
         ext = hit - num_computed_tokens
-        return (ext, True) if ext > 0 else (0, False)
+        if ext <= 0:
+            return 0, False
+        self._sync[rid] = sync = self._step_loads.take(ext // self._block_size)
+        return ext, not sync
 
     def _poll_lookup(self, rid: str, hashes: Sequence[bytes]) -> int | None:
         lk = self._submit(rid, hashes)
@@ -147,11 +184,13 @@ class MooncakeStoreScheduler:
             wait = max(0.0, self._step_budget_s - self.step_waited_s)
             hit_tokens, event = lk.future.result(timeout=wait)
             self.events.lookup(event)  # counted when used, so a timed-out one counts once
+            self.clock.answered(rid, event.t_end)
             return hit_tokens
         except cf.TimeoutError:
             if time.perf_counter() - lk.started < self.config.lookup_timeout_s:
                 return None
             del self._lookups[rid]
+            self._drop(lk)
             self.events.lookup(LookupEvent("timeout", 0, 0, len(hashes) * self._block_size,
                                                 time.perf_counter() - lk.started))
             logger.warning("store lookup exceeded lookup_timeout_s=%.3fs; treating as a miss",
@@ -162,18 +201,22 @@ class MooncakeStoreScheduler:
             if lk.future.done():
                 self._lookups.pop(rid, None)
 
-    def _lookup(self, hashes: tuple[bytes, ...]) -> tuple[int, LookupEvent]:
+    def _lookup(self, hashes: tuple[bytes, ...], deadline: float) -> tuple[int, LookupEvent]:
         """Longest prefix every group can restore, in tokens, and its event. Runs on the
         lookup executor. Blocks are probed in windows that grow 4x: full-attention groups
-        from the left, sliding-window groups from the right (only their window is needed)."""
+        from the left, sliding-window groups from the right (only their window is needed).
+        Past `deadline` it makes no further store call: a timeout, with the prefix that what
+        was already probed proves."""
         t0 = time.perf_counter()
-        found, probed, code = 0, 0, ""
+        found, probed, code, late = 0, 0, "", False
         known: list[dict[int, bool]] = [{} for _ in self._groups]
         spans = [FIRST_WINDOW] * len(self._groups)
 
         def present(g: int, i: int) -> bool:
             nonlocal probed
             if i not in known[g]:
+                if time.perf_counter() >= deadline:
+                    raise _Late
                 lo, hi = (i, min(len(hashes), i + spans[g])) if self._groups[g].kind == FULL \
                     else (max(0, i + 1 - spans[g]), i + 1)
                 spans[g] *= 4
@@ -189,15 +232,20 @@ class MooncakeStoreScheduler:
 
         try:
             found = window_hit(self._groups, present, len(hashes), self._block_size)
+        except _Late:
+            late = True
+            found = window_hit(self._groups, lambda g, i: known[g].get(i, False), len(hashes),
+                               self._block_size)
         except Exception as e:  # noqa: BLE001 - any failure is a miss, counted by code
             code = e.code if isinstance(e, StoreError) else EXCEPTION_CODE
             logger.warning("store lookup failed (%s); treating as a miss", e)
             found = 0
         hit_tokens = found * self._block_size
-        result = "error" if code else ("hit" if found else "miss")
+        result = "error" if code else "timeout" if late else ("hit" if found else "miss")
+        t_end = time.perf_counter()
         return hit_tokens, LookupEvent(result, probed, hit_tokens,
                                        (len(hashes) - found) * self._block_size,
-                                       time.perf_counter() - t0, code)
+                                       t_end - t0, code, t_end)
 
     # ---- allocation and per-step metadata --------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
@@ -206,16 +254,18 @@ class MooncakeStoreScheduler:
         hit = self._hits.get(rid, 0)
         if num_external_tokens > 0 and rid not in self._loading:
             first, last = (hit - num_external_tokens) // self._block_size, hit // self._block_size
+            sync = self._sync.pop(rid, False)  # done before this step's forward
             for g, (spec, ids) in enumerate(zip(self._groups, blocks.get_block_ids(),
                                                 strict=True)):
                 # A sliding-window group gets blocks only for the window before the hit.
                 sel = [i for i in range(max(first, spec.first_needed(last, self._block_size)),
                                         last) if ids[i] != self._null]
                 if sel:
-                    self._loads.append(BlockTransfer(
+                    (self._sync_loads if sync else self._loads).append(BlockTransfer(
                         rid, tuple(ids[i] for i in sel),
                         tuple(request.block_hashes[i] for i in sel), g))
-            self._loading.add(rid)
+            if not sync:
+                self._loading.add(rid)
         if self._save and rid not in self._tracked:
             self._tracked[rid] = _Tracked(request, saved_upto=hit)
 
@@ -225,6 +275,7 @@ class MooncakeStoreScheduler:
         for rid in preempted:
             self._tracked.pop(rid, None)
             self._hits.pop(rid, None)
+            self.clock.forget(rid)
             self._unpin(rid)  # handle_preemptions waits for its saves before the next forward
         for new in so.scheduled_new_reqs:
             tr = self._tracked.get(new.req_id)
@@ -246,9 +297,17 @@ class MooncakeStoreScheduler:
             self._plan_save(tr, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid],
                             saves)
         self.step_waited_s = 0.0  # a new step: a new lookup-wait budget
-        meta = StepMetadata(loads=tuple(self._loads), saves=tuple(saves),
-                            free_after_jobs=tuple(self._free_after), preempted=preempted)
+        now = time.perf_counter()
+        self.clock.scheduled((new.req_id for new in so.scheduled_new_reqs), now)
+        for mode, loads in (("async", self._loads), ("sync", self._sync_loads)):
+            for t in loads:
+                self.clock.sent(t.req_id, mode, len(t.block_ids), now)
+        self._step_loads.new_step()
+        meta = StepMetadata(loads=tuple(self._loads), sync_loads=tuple(self._sync_loads),
+                            saves=tuple(saves), free_after_jobs=tuple(self._free_after),
+                            preempted=preempted)
         self._loads.clear()
+        self._sync_loads.clear()
         self._free_after.clear()
         return meta
 
@@ -298,6 +357,11 @@ class MooncakeStoreScheduler:
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_sending or ():
             self._unpin(rid)  # every rank finished the request's saves
+        self.clock.seen_done(output.finished_recving or (), time.perf_counter())
+        times = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(times, LoadTimes):
+            self._step_loads.observe(times)
+            self.clock.worker_times(times)
         for rid in output.finished_recving or ():
             self._loading.discard(rid)
             # A request comes back to the lookup only if its load failed and vLLM recomputes
@@ -314,9 +378,11 @@ class MooncakeStoreScheduler:
         rid = request.request_id
         self._hits.pop(rid, None)
         self._tracked.pop(rid, None)
+        self._sync.pop(rid, None)
+        self.clock.forget(rid)
         lk = self._lookups.pop(rid, None)
         if lk is not None:
-            lk.future.cancel()
+            self._drop(lk)
         if rid in self._loading:
             self._saved.discard(rid)
             return True, None
@@ -328,8 +394,10 @@ class MooncakeStoreScheduler:
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel queued lookups; close the client once no lookup can still be inside a call
-        on it (at once if the running ones end within `timeout`, else in the background)."""
+        on it, including those given up on (at once if the running ones end within
+        `timeout`, else in the background)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-        running = [lk.future for lk in self._lookups.values() if not lk.future.done()]
+        running = [f for f in (*(lk.future for lk in self._lookups.values()), *self._abandoned)
+                   if not f.done()]
         _, stuck = cf.wait(running, timeout=timeout)
         self._store.close([lambda f=f: cf.wait([f]) for f in stuck])

@@ -120,11 +120,11 @@ class BlockStager:
                     dst[idx, a:b] = view.index_select(0, blocks)
 
     def get(self, client: Any, keys: list[str], units: list[int],
-            writing: Callable[[], AbstractContextManager[bool]]) -> list[int]:
+            touching: Callable[[], AbstractContextManager[bool]]) -> list[int]:
         """Get into the buffer a buffer-full at a time and scatter the units that arrived
         whole; per-key results as the store's multi-buffer get returns them.
 
-        `writing()` guards each scatter (the only write into the KV cache): when it yields
+        `touching()` guards each scatter (the only write into the KV cache): when it yields
         False the job has expired, its blocks belong to vLLM again, and the get stops."""
         results: list[int] = []
         offsets = self.plan.src_offsets
@@ -139,7 +139,7 @@ class BlockStager:
                                  [list(self.plan.sizes)] * n, offsets)
             ids = units[i:i + n]
             ok = [j for j, r in enumerate(res) if r == self.block_bytes]
-            with writing() as allowed:
+            with touching() as allowed:
                 if not allowed:
                     return results
                 if len(ok) == len(res):
@@ -150,14 +150,33 @@ class BlockStager:
         return results
 
     def put(self, client: Any, keys: list[str], units: list[int],
-            replicate: Any = None) -> list[int]:
-        """Gather and put a buffer-full at a time; per-key results of `batch_put_from`."""
+            reading: Callable[[], AbstractContextManager[bool]], replicate: Any = None
+            ) -> list[int]:
+        """Gather and put a buffer-full at a time; per-key results of `batch_put_from`, or []
+        when `reading()` yields False (the job expired: it must not read the blocks).
+
+        The KV blocks are read only inside one `reading()`, from the first gather to the
+        last: the puts of earlier chunks run inside it, since a later chunk must never be
+        gathered from blocks vLLM took back meanwhile. The last chunk's put reads only the
+        staging buffer (for a job that fits the buffer, the only put), so the job may be
+        expired during it without harm."""
         results: list[int] = []
-        for i in range(0, len(keys), self.capacity):
-            ids = units[i:i + self.capacity]
-            n = len(ids)
-            self.gather(ids)
-            args = (keys[i:i + n], self.addresses[:n], self.sizes[:n])
-            results.extend(client.batch_put_from(*args, replicate) if replicate is not None
-                           else client.batch_put_from(*args))
+        step = self.capacity
+        if not keys:
+            return results
+        with reading() as ok:
+            if not ok:
+                return results
+            for i in range(0, len(keys), step):
+                self.gather(units[i:i + step])
+                if i + step < len(keys):
+                    results.extend(self._put(client, keys[i:i + step], replicate))
+        last = (len(keys) - 1) // step * step
+        results.extend(self._put(client, keys[last:], replicate))
         return results
+
+    def _put(self, client: Any, keys: list[str], replicate: Any) -> list[int]:
+        """Put staging rows 0..len(keys)-1 under `keys`."""
+        args = (keys, self.addresses[:len(keys)], self.sizes[:len(keys)])
+        return client.batch_put_from(*args, replicate) if replicate is not None \
+            else client.batch_put_from(*args)

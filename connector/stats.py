@@ -27,8 +27,15 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from connector.events import LoadEvent, LookupEvent, SaveEvent, Subscriber
-from connector.metric_catalog import BY_KEY, EXEMPLAR_FAMILIES, Family
+from connector.events import (
+    QUEUED_THREAD,
+    LoadEvent,
+    LookupEvent,
+    RequestEvent,
+    SaveEvent,
+    Subscriber,
+)
+from connector.metric_catalog import BY_KEY, EXEMPLAR_FAMILIES, TTFT_MODES, TTFT_PHASES, Family
 
 SAMPLE_CAP = 1024  # histogram samples per key per step; counters stay exact past it
 EXEMPLAR_CAP = 4  # exemplars per key per step (Prometheus keeps the latest per bucket)
@@ -130,7 +137,8 @@ class PooledStoreStats(KVConnectorStats):
         for k, v in self.data.get("x", {}).items():
             samples[family_of(k)].extend(e[0] for e in v)
         for fam in ("load_queue_wait_seconds", "load_prepare_seconds",
-                    "load_master_lookup_seconds", "load_transfer_seconds", "lookup_seconds"):
+                    "load_master_lookup_seconds", "load_transfer_seconds", "lookup_seconds",
+                    "ttft_store_seconds"):
             vals = sorted(samples.get(fam, ()))
             if vals:
                 name = fam.removesuffix("_seconds")
@@ -154,42 +162,49 @@ class StatsRecorder(Subscriber):
         self._c: dict[str, float] = defaultdict(int)
         self._h: dict[str, list[float]] = defaultdict(list)
         self._x: dict[str, list[list]] = defaultdict(list)
-        # Per thread: the last load event and the samples it added to the exemplar families.
+        # Per thread, and last the jobs no thread took (LoadEvent.thread None): the last load
+        # event and the samples it added to the exemplar families.
         self._last: list[tuple[LoadEvent | None, tuple[float, float | None]]] = \
-            [(None, (0.0, None))] * threads
+            [(None, (0.0, None))] * (threads + 1)
         self._gauges = gauges
         self._counters = counters  # increments polled at each snapshot (not event-driven)
         self._last_gauges: dict[str, int] = {}
         self._gauge_sent_at = 0.0
         self._rank = tp_rank
-        self._lookup_ewma = [0.0] * threads
+        self._lookup_ewma = [0.0] * (threads + 1)
         fams = ("load_queue_wait_seconds", "load_prepare_seconds", "load_master_lookup_seconds",
                 "load_transfer_seconds", "load_job_seconds", "load_bytes", "load_keys",
                 "load_busy_seconds")
         self._tkeys = [{f: stat_key(f, tp_rank, t) for f in fams}
                        | {"ok": stat_key("load_jobs", tp_rank, t, "ok"),
                           "error": stat_key("load_jobs", tp_rank, t, "error")}
-                       for t in range(threads)]
+                       for t in (*range(threads), QUEUED_THREAD)]
         self._rkeys = {f: stat_key(f, tp_rank) for f in (
             "load_error_blocks", "save_ready_wait_seconds", "save_put_seconds", "save_bytes",
             "save_keys", "save_skipped_keys")}
+        self._ttft_keys = {m: stat_key("ttft_store_seconds", m) for m in TTFT_MODES} | {
+            p: stat_key("ttft_store_phase_seconds", p) for p in TTFT_PHASES}
 
     def _sample(self, key: str, value: float) -> None:
         s = self._h[key]
         if len(s) < SAMPLE_CAP:
             s.append(value)
 
+    def _slot(self, ev: LoadEvent) -> int:
+        return len(self._tkeys) - 1 if ev.thread is None else ev.thread
+
     def on_load(self, ev: LoadEvent) -> None:
-        k = self._tkeys[ev.thread]
+        slot = self._slot(ev)
+        k = self._tkeys[slot]
         get_s = ev.t_end - ev.t_lookup_end
         if ev.lookup_sampled:
             lookup_s = ev.t_lookup_end - ev.t_prepared
-            prev = self._lookup_ewma[ev.thread]
-            self._lookup_ewma[ev.thread] = lookup_s if prev == 0 else \
+            prev = self._lookup_ewma[slot]
+            self._lookup_ewma[slot] = lookup_s if prev == 0 else \
                 prev + _EWMA * (lookup_s - prev)
         # The batch get does its own master lookup before moving bytes; subtract the thread's
         # latest lookup estimate to report the data phase alone.
-        transfer_s = max(0.0, get_s - self._lookup_ewma[ev.thread])
+        transfer_s = max(0.0, get_s - self._lookup_ewma[slot])
         with self._lock:
             self._sample(k["load_queue_wait_seconds"], ev.t_start - ev.t_enqueue)
             self._sample(k["load_prepare_seconds"], ev.t_prepared - ev.t_start)
@@ -198,7 +213,7 @@ class StatsRecorder(Subscriber):
             job_s = ev.t_end - ev.t_enqueue
             self._sample(k["load_job_seconds"], job_s)
             self._c[k["load_busy_seconds"]] += ev.t_end - ev.t_start
-            self._last[ev.thread] = (ev, (job_s, transfer_s if ev.ok else None))
+            self._last[slot] = (ev, (job_s, transfer_s if ev.ok else None))
             if ev.ok:
                 self._sample(k["load_transfer_seconds"], transfer_s)
                 self._c[k["ok"]] += 1
@@ -212,10 +227,11 @@ class StatsRecorder(Subscriber):
     def traced_load(self, ev: LoadEvent, trace_id: str, span_id: str) -> None:
         """`ev` was traced (called by the span exporter on the job's thread, after `on_load`):
         its samples become exemplars. Skipped when a snapshot already took them."""
-        last, values = self._last[ev.thread]
+        slot = self._slot(ev)
+        last, values = self._last[slot]
         if last is not ev:
             return
-        k = self._tkeys[ev.thread]
+        k = self._tkeys[slot]
         with self._lock:
             for fam, v in zip(EXEMPLAR_FAMILIES, values, strict=True):
                 key, samples = k[fam], self._h.get(k[fam])
@@ -248,6 +264,13 @@ class StatsRecorder(Subscriber):
             self._c["lookup_miss_tokens"] += ev.miss_tokens
             if ev.code:
                 self._c[stat_key("failures", self._rank, "lookup", ev.code)] += 1
+
+    def on_request(self, ev: RequestEvent) -> None:
+        k = self._ttft_keys
+        with self._lock:
+            self._sample(k[ev.mode], ev.seconds)
+            for phase, seconds in ev.phases:
+                self._sample(k[phase], seconds)
 
     def current_gauges(self) -> dict[str, int]:
         """The gauge series as the next poll would send them (peaks are consumed)."""

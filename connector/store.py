@@ -6,14 +6,17 @@ message that names the field, instead of freezing the engine.
 
 With an HA master group (`master_server_address: etcd://...`) the leader is the address that
 etcd holds under `mooncake-store/<cluster id>/master_view`; the client follows it by itself.
-While no leader serves (measured here: ~5 s etcd lease, then ~5 s leader warm-up), each store
-call blocks ~4.3 s and returns -900, so the breaker below fails jobs at once instead, and one
-probe thread watches etcd for the new leader before it spends a call on it.
+While no leader serves (the old leader's etcd lease, then the new leader's warm-up), each store
+call blocks for seconds and returns -900 (docs/failover.json, `blocked_call_s`), so the breaker
+below fails jobs at once instead, and one probe thread watches etcd for the new leader before
+it spends a call on it.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import http.client
 import json
 import logging
 import os
@@ -46,14 +49,24 @@ ERROR_NAMES = {
 }
 # Label value for failures that are Python exceptions rather than store return codes.
 EXCEPTION_CODE = "exception"
-# Label value for a save given up on at a preemption (its blocks were reused under it).
+# Label value for a save dropped before it read its blocks: its request was preempted, or
+# finished while saves fail or hang.
 ABANDONED_CODE = "abandoned"
+# Label value for a get that returned fewer bytes than a block (a stored object of another
+# size under the key).
+SHORT_READ_CODE = "short_read"
 # Label values for jobs the pool's watchdog reported: past their deadline, or queued at close.
 TIMEOUT_CODE = "timeout"
 SHUTDOWN_CODE = "shutdown"
 # Codes that mean the master itself is gone: stop calling it until a probe says it is back.
 MASTER_DOWN_CODES = frozenset({-900, -901})
 PROBE_KEY = "__mcpool_probe__"
+# A new HA leader publishes its address in etcd when its warm-up starts and opens its RPC port
+# only when it serves (~5 s later): the probe then connects to that port every FAST_PROBE_S
+# (a TCP connect, no etcd read) for up to LEADER_WARMUP_WAIT_S, so the breaker closes within
+# FAST_PROBE_S of the new leader serving instead of within probe_s.
+FAST_PROBE_S = 0.1
+LEADER_WARMUP_WAIT_S = 10.0
 RPC_TIMEOUT_ENV, RPC_CONNECT_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS"
 # Both the masters and the client use this id when none is given.
 DEFAULT_CLUSTER_ID = "mooncake_cluster"
@@ -75,6 +88,12 @@ class StoreUnavailable(StoreError):
 
     def __init__(self, message: str) -> None:
         super().__init__("unavailable", message)
+
+
+class EtcdGarbage(StoreUnavailable):
+    """etcd answered the master-view read with something that is not a master view (a broken
+    gateway or proxy, a key written by something else): at startup an outage naming the
+    field, in the breaker's probe an error that is logged and counted."""
 
 
 def _probe_tcp(host: str, port: int, timeout: float) -> str | None:
@@ -111,10 +130,27 @@ def etcd_leader(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     req = urllib.request.Request(f"http://{ep}/v3/kv/range", data=json.dumps({"key": key}).encode())
     try:  # etcd's JSON gateway: no etcd client library needed
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            kvs = json.loads(r.read()).get("kvs", [])
-    except (OSError, ValueError) as e:
+            body = r.read()
+    except OSError as e:
         return "", f"etcd {ep} did not answer a read of the master view ({e})"
-    return (base64.b64decode(kvs[0]["value"]).decode(), None) if kvs else ("", None)
+    except http.client.HTTPException as e:  # BadStatusLine, IncompleteRead, ...
+        raise EtcdGarbage(f"master_server_address: etcd {ep} answered a read of the master "
+                          f"view with a broken HTTP response ({e!r})") from e
+    try:
+        kvs = json.loads(body).get("kvs", [])
+        leader = base64.b64decode(kvs[0]["value"], validate=True).decode() if kvs else ""
+    except (ValueError, AttributeError, LookupError, TypeError, binascii.Error) as e:
+        raise EtcdGarbage(f"master_server_address: etcd {ep} answered a read of the master "
+                          f"view with {body[:80]!r}, not a master view ({e!r})") from e
+    if leader and not _is_host_port(leader):
+        raise EtcdGarbage(f"master_server_address: etcd {ep} names {leader[:80]!r} as the "
+                          f"leader of cluster id {cluster_id(cfg)!r}, not host:port")
+    return leader, None
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
@@ -195,8 +231,8 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
 
 # Mooncake's own deadlines, read from the environment when its transports start: a TCP
 # transfer (MC_TCP_STATUS_TIMEOUT_SEC), other transports (MC_TRANSFER_TIMEOUT) and master
-# RPCs (MC_RPC_TIMEOUT_MS). Each defaults to 30 s; measured here: a get from a frozen store
-# node returns -800 and one through a frozen master -901, 30 s after the call.
+# RPCs (MC_RPC_TIMEOUT_MS). Each defaults to 30 s; what a get from a frozen store node and one
+# through a frozen master return, and when: `python -m devkit.frozen_peer` (docs/frozen-peer.json).
 TIMEOUT_ENV = {"MC_TCP_STATUS_TIMEOUT_SEC": 1, "MC_TRANSFER_TIMEOUT": 1, "MC_RPC_TIMEOUT_MS": 1000}
 
 
@@ -229,7 +265,8 @@ class StoreHandle:
     on_master_unreachable="fail": open now, raise StoreUnavailable on failure.
     "degrade": if the first attempt fails, serve without the cache (every lookup a miss, no
     saves) and retry in a background thread every `retry_s` seconds; `on_connect` callbacks
-    run once the client exists (the worker registers its KV buffers there).
+    run once the client exists (the worker registers its KV buffers there), before any job
+    can see the client.
 
     Once running, a call that returns an RPC failure trips the breaker (`trip`): `ready()`
     returns None, so every job fails at once and vLLM recomputes, instead of each one waiting
@@ -240,16 +277,33 @@ class StoreHandle:
     succeeds there. Codes other than -900/-901 never trip it: the -703 (gets) and -200 (puts)
     that follow a promotion for about a second, until the store nodes have remounted their
     segments on the new leader, fail only their own jobs (recomputed, counted by code).
+
+    A trip counts only for a call started since the breaker last closed: `require()` notes
+    the breaker's generation on the calling thread and `check()` passes it on, so a -900/-901
+    from a call that was in flight through the outage and returns after the probe closed the
+    breaker is stale and changes nothing. The probe is supervised: an exception in a round
+    (etcd answering garbage, the store client raising) is logged, counted (`on_probe_error`)
+    and the next round goes on, so the cache cannot stay off for the life of the process.
+    `close()` stops both background threads: the client is closed only once a probe call on it
+    has returned, and a reconnect that completes after `close()` closes its own client.
     """
 
     def __init__(self, cfg: StoreConfig, global_segment_size: int, local_buffer_size: int,
-                 mode: str, timeout: float, retry_s: float = 5.0, probe_s: float = 0.5) -> None:
+                 mode: str, timeout: float, retry_s: float = 5.0, probe_s: float = 0.5,
+                 on_probe_error: Callable[[], object] | None = None) -> None:
         self._args = (cfg, global_segment_size, local_buffer_size, timeout)
         self._retry_s = retry_s
         self._probe_s = probe_s
+        self._on_probe_error = on_probe_error
+        self._last_probe_error = ""
         self._callbacks: list = []
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the breaker's state
+        self._connect_lock = threading.Lock()  # installing a client vs on_connect and close
+        self._threads: list[threading.Thread] = []  # probe and reconnect threads started
+        self._awaited, self._awaited_until = "", 0.0  # a new leader warming up, watched until
+        self._generation = 0  # +1 whenever the breaker closes or a client is installed
+        self._calls = threading.local()  # .generation: when this thread's call started
         self.client: Any = None
         self.master = ""  # the master (HA: leader) that served the last successful probe
         self.down_code: str = ""  # the code that tripped the breaker; "" while healthy
@@ -262,41 +316,56 @@ class StoreHandle:
             if mode == "fail":
                 raise
             logger.warning("serving without the KV store until it is reachable: %s", e)
-            threading.Thread(target=self._reconnect, name="mcpool-reconnect",
-                             daemon=True).start()
+            self._start(self._reconnect, "mcpool-reconnect")
+
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def on_connect(self, callback) -> None:
-        """Run callback(client) now if connected, else when the background retry succeeds."""
-        self._callbacks.append(callback)
-        if self.client is not None:
-            callback(self.client)
+        """Run callback(client) now if connected, else when the background retry succeeds
+        (exactly once either way: a reconnect completing meanwhile waits for this)."""
+        with self._connect_lock:
+            self._callbacks.append(callback)
+            if self.client is not None:
+                callback(self.client)
 
     def ready(self) -> Any:
         """The client if connected and the breaker is closed, else None."""
         return None if self.down_code else self.client
 
     def require(self) -> Any:
-        """The client, or StoreError when there is none or the breaker is open (no call made)."""
+        """The client, or StoreError when there is none or the breaker is open (no call made).
+        Notes the breaker's generation on this thread, for `check()`."""
+        generation = self._generation
         client = self.ready()
         if client is None:
             raise StoreError(self.down_code or "unavailable")
+        self._calls.generation = generation
         return client
 
     def check(self, results: list[int]) -> None:
-        """The one result check: a master-down code among a call's results trips the breaker."""
+        """The one result check: a master-down code among the results of a call this thread
+        started (after `require()`) trips the breaker, unless the breaker closed since."""
         down = next((r for r in results if r in MASTER_DOWN_CODES), None)
         if down is not None:
-            self.trip(down)
+            self.trip(down, getattr(self._calls, "generation", None))
 
-    def trip(self, code: int) -> None:
-        """Open the breaker after an RPC failure; a probe thread closes it again."""
+    def trip(self, code: int, generation: int | None = None) -> None:
+        """Open the breaker after an RPC failure of a call started in `generation` (None: a
+        call made just now); a probe thread closes it again."""
         with self._lock:
-            if self.down_code or self.client is None:
+            if self.down_code or self.client is None or self._stop.is_set():
+                return
+            if generation is not None and generation != self._generation:
+                logger.debug("ignoring %d from a store call started before the master "
+                             "answered again", code)
                 return
             self.down_code, self._down_since = str(code), time.monotonic()
+            self._start(self._probe, "mcpool-probe")
         logger.error("Mooncake master %s RPC failed (%d %s): failing store calls fast until a "
                      "master answers again", self.master, code, ERROR_NAMES.get(code, ""))
-        threading.Thread(target=self._probe, name="mcpool-probe", daemon=True).start()
 
     def take_outage(self) -> tuple[int, float]:
         """(failovers ridden through, seconds without a master) since the last call; the
@@ -311,24 +380,60 @@ class StoreHandle:
         return failovers, seconds
 
     def _probe(self) -> None:
+        """One round after another until the breaker closes (or the handle is closed). No
+        exception ends the thread: it is logged and counted, and the next round goes on."""
+        wait: float | None = self._probe_s
+        while not self._stop.wait(wait):
+            try:
+                wait = self._probe_round()
+                if wait is None:
+                    return
+            except Exception as e:  # noqa: BLE001 - supervised, see above
+                wait = self._probe_s
+                text = f"{type(e).__name__}: {e}"
+                log = logger.warning if text != self._last_probe_error else logger.debug
+                log("Mooncake breaker probe failed (%s); probing again", text)
+                self._last_probe_error = text
+                if self._on_probe_error is not None:
+                    self._on_probe_error()
+
+    def _probe_round(self) -> float | None:
+        """None once the breaker is closed (or the handle closed), else the seconds to wait
+        before the next round."""
         cfg, timeout = self._args[0], self._args[3]
-        while not self._stop.wait(self._probe_s):
-            client = self.client
-            if client is None:  # closed
-                return
+        client = self.client
+        if client is None:  # closed
+            return None
+        if self._awaited and time.monotonic() < self._awaited_until:
+            master = self._awaited
+            host, port = master.rsplit(":", 1)
+            if _probe_tcp(host, int(port), FAST_PROBE_S) is not None:
+                return FAST_PROBE_S
+        else:
             master, problem = find_master(cfg, min(timeout, 1.0))
             if problem:
-                continue
-            if min(client.batch_is_exist([PROBE_KEY])) < 0:
-                continue
-            with self._lock:
-                failover = cfg.ha and master != self.master
-                self._outage[0] += failover
-                self._outage[1] += time.monotonic() - self._down_since
-                self._down_since, self.down_code, old, self.master = 0.0, "", self.master, master
-            logger.info("Mooncake master %s answers%s; store calls resumed", master,
-                        f" (failover from {old})" if failover else " again")
-            return
+                if cfg.ha and master and master != self.master:  # a new leader, warming up
+                    self._awaited, self._awaited_until = (
+                        master, time.monotonic() + LEADER_WARMUP_WAIT_S)
+                    return FAST_PROBE_S
+                return self._probe_s
+        self._awaited = ""
+        res = client.batch_is_exist([PROBE_KEY])
+        if len(res) != 1:
+            raise RuntimeError(f"batch_is_exist of one key answered {res!r}")
+        if res[0] < 0:
+            return self._probe_s
+        with self._lock:
+            if self._stop.is_set():
+                return None
+            failover = cfg.ha and master != self.master
+            self._outage[0] += failover
+            self._outage[1] += time.monotonic() - self._down_since
+            self._generation += 1
+            self._down_since, self.down_code, old, self.master = 0.0, "", self.master, master
+        logger.info("Mooncake master %s answers%s; store calls resumed", master,
+                    f" (failover from {old})" if failover else " again")
+        return None
 
     def _reconnect(self) -> None:
         while not self._stop.wait(self._retry_s):
@@ -337,26 +442,43 @@ class StoreHandle:
             except StoreUnavailable as e:
                 logger.debug("store still unreachable: %s", e)
                 continue
-            for cb in self._callbacks:
-                cb(client)
-            self.client, self.master = client, master
+            except Exception as e:  # noqa: BLE001 - supervised like the probe
+                logger.warning("connecting to the Mooncake store failed (%r); retrying", e)
+                continue
+            with self._connect_lock:
+                if self._stop.is_set():  # closed meanwhile: nobody else would close it
+                    client.close()
+                    return
+                try:
+                    for cb in self._callbacks:
+                        cb(client)
+                except Exception:  # noqa: BLE001 - e.g. a buffer registration failed
+                    logger.exception("setting up the new store client failed; retrying")
+                    client.close()
+                    continue
+                with self._lock:
+                    self._generation += 1
+                    self.client, self.master = client, master
             logger.info("connected to the Mooncake store; cache enabled")
             return
 
     def close(self, wait_first: Sequence[Callable[[], object]] = ()) -> None:
-        """Close the client. With `wait_first` (calls that block until a thread still inside
-        a store call has returned), close it from a background thread once they return: so
-        shutdown never waits on a frozen peer, and the client is never freed under a call."""
-        self._stop.set()
-        client, self.client = self.client, None
+        """Close the client and stop the probe and reconnect threads. With `wait_first`
+        (calls that block until a thread still inside a store call has returned), or a probe
+        call still running, close it from a background thread once they return: so shutdown
+        never waits on a frozen peer, and the client is never freed under a call."""
+        with self._connect_lock:
+            self._stop.set()
+            client, self.client = self.client, None
         if client is None:
             return
-        if not wait_first:
+        waits = [*wait_first, *(t.join for t in self._threads if t.is_alive())]
+        if not waits:
             client.close()
             return
 
         def close_later() -> None:
-            for wait in wait_first:
+            for wait in waits:
                 wait()
             client.close()
 

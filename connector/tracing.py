@@ -1,6 +1,8 @@
 """OpenTelemetry tracing subscriber: one span per load job (`mooncake.load`, with children
-`queue_wait`, `prepare`, `master_lookup`, `transfer`) and per save job (`mooncake.save`, with
-`ready_wait`, `exists`, `put`).
+`queue_wait`, `prepare`, `master_lookup`, `transfer`), per save job (`mooncake.save`, with
+`ready_wait`, `exists`, `put`), and, on the scheduler, per request that loaded from the store
+(`mooncake.request`, from its arrival to its prefill, with one child per phase of
+`connector.ttft`; its parent is the request's incoming trace context, when it has one).
 
 Configured by the standard OTEL_* environment variables: tracing is on when
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT) is set and OTEL_SDK_DISABLED
@@ -10,9 +12,9 @@ off, or the always_off sampler, the subscriber is not even registered.
 Two span writers, same spans, both with the ids the connector's sampler chose (the metrics
 carry them as exemplars):
 - `OtlpWriter` (http/protobuf): encodes the spans straight to OTLP protobuf and posts them over
-  OTLP/HTTP (`connector.otlp_http`), about 30 us of CPU per load job;
-- `SdkWriter` (grpc): through an OpenTelemetry SDK TracerProvider of our own. About 10x the CPU
-  of the OTLP writer.
+  OTLP/HTTP (`connector.otlp_http`), the cheap path;
+- `SdkWriter` (grpc): through an OpenTelemetry SDK TracerProvider of our own, at several times
+  the CPU of the OTLP writer (both per load job: docs/benchmark.md, from the benchmark JSON).
 vLLM installs an SDK provider in every process when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set;
 the connector does not export through it: its sampler (read from the same OTEL_TRACES_SAMPLER)
 would sample the connector's jobs a second time, and it picks its own ids.
@@ -41,7 +43,7 @@ from typing import Any
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
 from connector import otlp_http
-from connector.events import LoadEvent, SaveEvent, Subscriber
+from connector.events import QUEUED_THREAD, LoadEvent, RequestEvent, SaveEvent, Subscriber
 from connector.sampling import (
     DEFAULT_SAMPLE_RATIO,  # noqa: F401 - re-exported (bench)
     DEFAULT_SAMPLER,
@@ -51,7 +53,7 @@ from connector.sampling import (
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 MAX_PENDING = 16_384  # events waiting for the trace thread (a few seconds at full rate)
 BATCH_INTERVAL_S = 0.1
-YIELD_EVERY = 16  # jobs whose spans are built between GIL yields (about 0.3 ms)
+YIELD_EVERY = 16  # jobs whose spans are built between GIL yields
 
 
 def tracing_enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -194,6 +196,15 @@ def make_writer(resource_attrs: dict[str, str],
 Traced = Callable[[LoadEvent, str, str], None]  # (event, trace id hex, root span id hex)
 
 
+def _incoming_context(ev: RequestEvent) -> Any:
+    """The request's incoming W3C trace context (the traceparent vLLM kept), or None."""
+    if not ev.trace_headers:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract(ev.trace_headers)
+
+
 class SpanExporter(Subscriber):
     """Turns sampled job events into OpenTelemetry spans (lookups are covered by metrics; a
     span per scheduler lookup would be noise)."""
@@ -218,7 +229,7 @@ class SpanExporter(Subscriber):
             TraceSampler(DEFAULT_SAMPLER, sampler)
         self._on_traced = on_traced if self.writer.honours_ids else None
         self._offset_ns = time.time_ns() - time.perf_counter_ns()
-        self._pending: deque[tuple[LoadEvent | SaveEvent, Ids]] = deque()
+        self._pending: deque[tuple[LoadEvent | SaveEvent | RequestEvent, Ids]] = deque()
         self.dropped = 0
         self._flush_lock = threading.Lock()  # the trace thread vs an explicit flush()
         self._stop = threading.Event()
@@ -226,8 +237,8 @@ class SpanExporter(Subscriber):
         self._thread.start()
 
     # ---- receive / save threads: sample and hand over ----------------------------------------
-    def _offer(self, ev: LoadEvent | SaveEvent) -> None:
-        parent = None if ev.trace_parent is None else self._span_context(ev.trace_parent)
+    def _offer(self, ev: LoadEvent | SaveEvent | RequestEvent, parent_ctx: Any) -> None:
+        parent = None if parent_ctx is None else self._span_context(parent_ctx)
         picked = self.sampler.sample(parent)
         if picked is None:
             return
@@ -243,10 +254,13 @@ class SpanExporter(Subscriber):
             self._on_traced(ev, ids[0].hex(), ids[1].hex())
 
     def on_load(self, ev: LoadEvent) -> None:
-        self._offer(ev)
+        self._offer(ev, ev.trace_parent)
 
     def on_save(self, ev: SaveEvent) -> None:
-        self._offer(ev)
+        self._offer(ev, ev.trace_parent)
+
+    def on_request(self, ev: RequestEvent) -> None:
+        self._offer(ev, _incoming_context(ev))
 
 
     # ---- trace thread ------------------------------------------------------------------------
@@ -263,8 +277,10 @@ class SpanExporter(Subscriber):
                 try:
                     if isinstance(ev, LoadEvent):
                         self._load_spans(ev, ids)
-                    else:
+                    elif isinstance(ev, SaveEvent):
                         self._save_spans(ev, ids)
+                    else:
+                        self._request_spans(ev, ids)
                 except Exception:  # a bad span must not stop the tracer
                     logger.exception("building spans failed")
                 n += 1
@@ -290,7 +306,8 @@ class SpanExporter(Subscriber):
         if ev.lookup_sampled:
             phases.append(("master_lookup", ev.t_prepared, ev.t_lookup_end))
         phases.append(("transfer", ev.t_lookup_end, ev.t_end))
-        attrs = {"thread": ev.thread, "tp_rank": ev.tp_rank, "keys": ev.keys,
+        thread = QUEUED_THREAD if ev.thread is None else ev.thread
+        attrs = {"thread": thread, "tp_rank": ev.tp_rank, "keys": ev.keys,
                  "bytes": ev.nbytes, "status": "ok" if ev.ok else "error",
                  "error_code": ev.code, "failed_blocks": ev.failed_blocks,
                  "request_hash": ev.request_hash}
@@ -305,6 +322,16 @@ class SpanExporter(Subscriber):
                  "error_code": ev.code, "request_hash": ev.request_hash}
         self._job("mooncake.save", ids, ev.trace_parent, ev.t_enqueue, ev.t_end, attrs, ev.code,
                   phases)
+
+    def _request_spans(self, ev: RequestEvent, ids: Ids) -> None:
+        phases, t = [], ev.t_arrival
+        for name, seconds in ev.phases:
+            phases.append((name, t, t + seconds))
+            t += seconds
+        attrs = {"request_hash": ev.request_hash, "mode": ev.mode, "blocks": ev.blocks,
+                 "status": "error" if ev.failed else "ok"}
+        self._job("mooncake.request", ids, _incoming_context(ev), ev.t_arrival, t, attrs,
+                  "load_error" if ev.failed else "", phases)
 
     def shutdown(self) -> None:
         self._stop.set()

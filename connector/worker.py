@@ -4,61 +4,75 @@
   `RecvPool` of N threads (N = VLLM_MOONCAKE_LOAD_RECV_THREADS) runs them. A job that fails in
   any way, or outlives `load_timeout_s`, reports its block ids as load errors *before* the
   request is reported finished, so vLLM recomputes them; no request is ever left unfinished.
+  On host-memory caches `begin_step` queues them before the step's forward. Loads the
+  scheduler put inside the step (`connector.step_loads`) run on a pool of one thread of their
+  own, with a short deadline, and `start_load` returns once they are done or expired.
 - Saves: `start_save` queues one job per request with new full blocks; a pool of one save
   thread writes them (skipping keys the store already holds), each within `save_timeout_s`.
 - What a job moves (`kv_regions.plan_group`, per KV cache group): this rank's store objects of
   each block, whole store shards or, where it holds part of a shard, its byte ranges of it
   (ranged gets). A rank holding no whole shard, or a replica of another rank's, saves nothing.
-- Block lifetime (`ledger.RequestLedger`): blocks of a request with jobs in flight are not
-  freed (the scheduler delays the free until every rank reports the request in
-  finished_sending) and not reused after a preemption (`wait_preempted` waits for the
-  request's saves). A save still stuck after PREEMPTION_WAIT_S, or past its deadline, is
-  abandoned: the engine goes on, so the blocks may be rewritten under it; the save then
-  stores nothing, or removes what it stored (never a mix of two requests' KV under one key).
-- Memory under a stuck call: a staged load writes only into its thread's staging buffer and
-  copies into the KV cache only while its ticket allows it (`recv_pool.Ticket.writing`); a
-  thread stuck past the deadline is replaced together with its buffer, which is released only
-  once the call returns. A multi-buffer load writes straight into the KV blocks, so its
-  request is held until Mooncake's own transfer timeout ends the call (`transfer_timeout`).
+- Block lifetime (`ledger.RequestLedger`): a request's blocks go back to vLLM (finished_sending
+  for a finished request, `handle_preemptions` returning for a preempted one) only once no
+  job of it can still read or write them. A job touches vLLM's memory only inside
+  `recv_pool.Ticket.touching()`, which nothing expires: a zero-copy get or put for its whole
+  call, a staged save from its first gather to its last (its last put then reads only the
+  staging buffer), a staged load for each scatter. A save holds its blocks until it ends
+  (so finished_sending means stored), but one past its deadline, or of a preempted request,
+  that is not reading them is expired at once and never reads them again. A zero-copy call
+  cannot be cut short, so its blocks are held until it returns: bounded by Mooncake's own
+  timeouts (`transfer_timeout`; by default `load_timeout_s` where transfers are zero-copy).
+  See docs/reliability-bounds.md.
+- Memory under a stuck call: a staged load copies into the KV cache only from its thread's
+  staging buffer; a thread whose call outlives the deadline is replaced together with its
+  buffer, which is released only once the call returns.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber
+from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber, request_hash
 from connector.groups import ONE_FULL, GroupSpec
 from connector.keys import KeyBuilder, layout_signature
 from connector.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.ledger import RequestLedger
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.recv_pool import RecvPool, Ticket
+from connector.recv_pool import TIMEOUT, RecvPool, Ticket
 from connector.sampling import LookupProbe
 from connector.staging import BlockStager, ranged_get
 from connector.stats import StatsRecorder, WorkerGauges, stat_key
 from connector.store import (
     ABANDONED_CODE,
     EXCEPTION_CODE,
+    MASTER_DOWN_CODES,
+    SHORT_READ_CODE,
     StoreError,
     StoreHandle,
+    apply_transfer_timeout,
     error_code_label,
 )
+from connector.ttft import LoadClock, LoadTimes
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
-PREEMPTION_WAIT_S = 60.0
+PREEMPTION_LOG_S = 5.0  # a preemption still waiting for a call that reads its blocks says so
 SHUTDOWN_WAIT_S = 1.0  # for jobs inside a store call at shutdown; then the client closes later
-REMOVE_ATTEMPTS = 3  # an abandoned save's cleanup is retried this often before it is counted
 
 
-def request_hash(req_id: str) -> str:
-    """A short stable digest of a request id, for span attributes and logs (never labels)."""
-    return hashlib.blake2b(req_id.encode(), digest_size=8).hexdigest()
+def zero_copy_expected(config: ConnectorConfig, kv_on_host: bool) -> bool:
+    """Whether this worker's transfers will be zero-copy (multi-buffer calls into the KV
+    blocks): `staging: off`, or `auto` where staging does not pay (KV caches off the host, or
+    RDMA). Known before the store client opens, so its timeouts can follow (the one case only
+    registration reveals, single-region blocks in host memory, is handled there)."""
+    return config.staging == "off" or (config.staging == "auto" and (
+        not kv_on_host or config.store.protocol != "tcp"))
 
 
 @dataclass(slots=True)
@@ -67,12 +81,26 @@ class _Job:
     t_enqueue: float
     trace_parent: Any
     ready: Any = None  # torch.cuda.Event for saves when the caches are on CUDA
+    released: bool = False  # a save: its blocks are no longer needed (guarded by _release_lock)
+
+
+def step_deadline_s(config: ConnectorConfig) -> float:
+    """Deadline of an in-step load: ten times the step budget and 1 s at least (a host short
+    of CPU makes a load several times slower than the estimate said; expiring it would waste
+    its transfer and a recompute), load_timeout_s at most. Past it the store is in trouble,
+    and the step has waited once: loads stay asynchronous for step_loads.BACKOFF_S."""
+    return min(config.load_timeout_s, max(1.0, 10 * config.sync_load_ms / 1e3))
 
 
 class MooncakeStoreWorker:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, tp_rank: int,
-                 num_blocks: int, groups: tuple[GroupSpec, ...] = ONE_FULL,
+                 num_blocks: int, kv_on_host: bool = True, zeroes_blocks: bool = False,
+                 groups: tuple[GroupSpec, ...] = ONE_FULL,
                  layout_order: tuple[int, ...] | None = None) -> None:
+        """`zeroes_blocks`: vLLM zeroes newly allocated blocks at the start of a step (its
+        KV cache config's needs_kv_cache_zeroing), so no load may start before that.
+        `groups`: the KV cache groups (vLLM's kv_cache_config); `layout_order`: a block's
+        [H, N, C] in memory (`kv_regions.interior_order` of vLLM's KV cache layout)."""
         self.config = config
         self.tp_rank = tp_rank
         self._keys = keys
@@ -88,12 +116,23 @@ class MooncakeStoreWorker:
         self.staging_buffers = 0  # live staging buffers (bounded: threads + stuck threads)
         self._kv_caches: dict[str, Any] = {}
         self._closed = False
+        store_cfg = config.store
+        if store_cfg.transfer_timeout is None and zero_copy_expected(config, kv_on_host):
+            # A zero-copy call touches the KV blocks for its whole duration, so only Mooncake's
+            # own timeout can bound it: make that the load deadline rather than its 30 s.
+            store_cfg = replace(store_cfg, transfer_timeout=config.load_timeout_s)
         self._store = StoreHandle(
-            config.store, config.store.global_segment_size, config.store.local_buffer_size,
-            config.on_master_unreachable, config.store_timeout_s)
+            store_cfg, store_cfg.global_segment_size, store_cfg.local_buffer_size,
+            config.on_master_unreachable, config.store_timeout_s,
+            on_probe_error=lambda: self.recorder.count("master_probe_errors", tp_rank))
         self.ledger = RequestLedger()
-        self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads)
-        self.recorder = StatsRecorder(tp_rank, config.load_threads, self._gauges,
+        self._release_lock = threading.Lock()
+        self._saves_failing = False  # the last save ended in a store error
+        # In-step loads (connector.step_loads) run on a thread of their own, labelled
+        # thread=load_threads, whose deadline bounds how long a step waits for them.
+        self._step_thread = config.load_threads
+        self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads + 1)
+        self.recorder = StatsRecorder(tp_rank, config.load_threads + 1, self._gauges,
                                       self._master_outage)
         self.pool: RecvPool[_Job] = RecvPool(
             config.load_threads, self._load, active=1 if config.load_threads_auto else None,
@@ -104,7 +143,19 @@ class MooncakeStoreWorker:
             1, self._save_job, name="mcpool-save", deadline_s=config.save_timeout_s,
             on_expire=self._save_expired, on_retire=self._release_stager,
             on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "save"))
-        self.events = Publisher(self.recorder)
+        self.step_pool: RecvPool[_Job] | None = RecvPool(
+            1, lambda job, _slot, ticket: self._load(job, self._step_thread, ticket),
+            name="mcpool-step", deadline_s=step_deadline_s(config),
+            on_expire=lambda job, reason, slot: self._load_expired(
+                job, reason, None if slot is None else self._step_thread),
+            on_retire=self._release_stager,
+            on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "load"),
+        ) if config.sync_load_ms > 0 else None
+        self._in_step: set[str] = set()  # in-step loads: never reported in finished_recving
+        self._early_start = config.load_early_start and not zeroes_blocks
+        self._early_meta: StepMetadata | None = None  # whose async loads begin_step queued
+        self.load_clock = LoadClock()  # where a store hit's TTFT goes (connector.ttft)
+        self.events = Publisher(self.recorder, self.load_clock)
         if config.load_threads_auto:
             from connector.autotune import ThreadTuner
 
@@ -134,6 +185,12 @@ class MooncakeStoreWorker:
         self._regions = self._io[0].load
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
+        if not self._staged and self.config.store.transfer_timeout is None:
+            # Single-region blocks in host memory: zero-copy after all. The TCP transport
+            # reads these variables when it first connects to a peer, which is after this.
+            apply_transfer_timeout(self.config.load_timeout_s)
+        self.load_clock.in_step = self.step_pool is not None and self._staged
+        self._early_start = self._early_start and not self._regions.on_cuda
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
         logger.info("mooncake pool: %d KV regions, %d bytes per object (%s of %d per block%s)"
                     ", rank %d, %d recv threads, %s", len(self._regions.sizes),
@@ -196,13 +253,47 @@ class MooncakeStoreWorker:
     def _context(self) -> Any:
         return self._get_context() if self._get_context is not None else None
 
-    def start_load(self, meta: StepMetadata) -> None:
+    def begin_step(self, meta: StepMetadata) -> None:
+        """The step's metadata, before its forward pass. On host-memory KV caches the forward
+        runs on this thread and `start_load` comes after it, so asynchronous loads are queued
+        here instead (`load_early_start`), unless vLLM zeroes new blocks first."""
         now = time.perf_counter()
+        self.load_clock.received((t.req_id for t in (*meta.loads, *meta.sync_loads)), now)
+        if self._early_start and meta.loads:
+            self._queue_loads(meta.loads, self.pool, now)
+            self._early_meta = meta
+
+    def start_load(self, meta: StepMetadata) -> None:
+        if meta.loads and self._early_meta is not meta:
+            self._queue_loads(meta.loads, self.pool, time.perf_counter())
+        self._early_meta = None
+        if meta.sync_loads:
+            self._load_in_step(meta.sync_loads)
+
+    def _queue_loads(self, transfers: Sequence[BlockTransfer], pool: RecvPool[_Job],
+                     now: float) -> set[str]:
         ctx = self._context()
-        parts = [p for t in meta.loads for p in t.split(self.config.load_split_blocks)]
+        split = self.config.load_split_blocks if pool is self.pool else 0
+        parts = [p for t in transfers for p in t.split(split)]
         self.ledger.add_loads(p.req_id for p in parts)
+        self.load_clock.queued(Counter(p.req_id for p in parts), now)
         for p in parts:
-            self.pool.submit(_Job(p, now, ctx))
+            pool.submit(_Job(p, now, ctx))
+        return {p.req_id for p in parts}
+
+    def _load_in_step(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Loads of requests this step's forward computes: the step waits for them. A load
+        still running at the in-step deadline is expired: its blocks become load errors, which
+        vLLM reads in this step's output, discarding what the step computed from them and
+        recomputing them; an expired staged load copies nothing more into the cache. The wait
+        ends only once no job can still copy (the watchdog lets a copy under way finish)."""
+        ids = {t.req_id for t in transfers}
+        self._in_step |= ids
+        self._queue_loads(transfers, self.step_pool or self.pool, time.perf_counter())
+        while not self.ledger.wait_loaded(ids, step_deadline_s(self.config) + 1.0):
+            logger.warning("an in-step load is still running past its deadline (a copy into "
+                           "the KV cache under way?); the step waits for it")
+        self.load_clock.reported(ids, time.perf_counter(), in_step=True)
 
     def start_save(self, meta: StepMetadata) -> None:
         if not meta.saves:
@@ -224,14 +315,23 @@ class MooncakeStoreWorker:
             self.ledger.free_after(meta.free_after_jobs)
 
     def wait_preempted(self, meta: StepMetadata) -> None:
-        """Block until no job of a preempted request can still touch its (now reusable) blocks."""
+        """Return once no job of a preempted request can still touch its (now reusable) blocks.
+
+        Runs on the model-runner thread before the forward pass, so it waits only for calls
+        that are reading or writing the blocks right now: saves not yet reading them are
+        dropped at once (the scheduler saves the request again from its new blocks when it
+        resumes). What it waits for is a zero-copy call or a copy, bounded by Mooncake's
+        transfer timeout; it never hands back blocks a call may still touch."""
         if not meta.preempted:
             return
-        stuck = self.ledger.wait_idle(meta.preempted, PREEMPTION_WAIT_S)
-        if stuck:
-            logger.error("saves of %d preempted request(s) still running after %.0fs; their "
-                         "blocks are reused now, so those saves are abandoned (what they store "
-                         "is removed)", len(stuck), PREEMPTION_WAIT_S)
+        ids = set(meta.preempted)
+        self.save_pool.drop(lambda j: j.transfer.req_id in ids and not j.released,
+                            ABANDONED_CODE)
+        t0 = time.monotonic()
+        while busy := self.ledger.wait_idle(meta.preempted, PREEMPTION_LOG_S):
+            logger.warning("handle_preemptions: a store call still touches the blocks of %d "
+                           "preempted request(s) after %.0fs; the step waits for it (Mooncake's "
+                           "transfer timeout bounds it)", len(busy), time.monotonic() - t0)
 
     @property
     def kv_signature(self) -> str:
@@ -239,7 +339,23 @@ class MooncakeStoreWorker:
         return self._keys.layout.kv_signature
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        return self.ledger.take_finished()
+        if self._saves_failing or self.save_pool.stalled:
+            # A finished request would hold its blocks until its queued saves expire; while
+            # saves fail or hang, drop the ones that have not started instead.
+            self.save_pool.drop(lambda j: self.ledger.awaiting_free(j.transfer.req_id),
+                                ABANDONED_CODE, running=False)
+        sending, recving = self.ledger.take_finished()
+        if recving:
+            in_step = recving & self._in_step  # their requests run already: not vLLM's news
+            self._in_step -= in_step
+            recving = (recving - in_step) or None
+            if recving:
+                self.load_clock.reported(recving, time.perf_counter())
+        return sending, recving
+
+    def take_load_times(self) -> LoadTimes | None:
+        """This step's finished loads, timed, for the scheduler (build_connector_worker_meta)."""
+        return self.load_clock.take()
 
     def get_load_errors(self) -> set[int]:
         return self.ledger.take_load_errors()
@@ -251,7 +367,9 @@ class MooncakeStoreWorker:
             load_queue_depth=depth, save_queue_depth=self.save_pool.depth(),
             recv_threads=self.pool.size, recv_threads_active=self.pool.active,
             load_inflight=tuple(busy),
-            threads_stuck={"load": self.pool.stuck, "save": self.save_pool.stuck},
+            threads_stuck={"load": self.pool.stuck + (self.step_pool.stuck if self.step_pool
+                                                      else 0),
+                           "save": self.save_pool.stuck},
             staging_buffers=self.staging_buffers,
             layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
                     "staged" if self._staged else "multibuffer") if self._regions else None)
@@ -288,9 +406,9 @@ class MooncakeStoreWorker:
                 t_lookup_end = time.perf_counter()
                 sampled = True
             if stager:
-                results = stager.get(client, keys, units, ticket.writing)
+                results = stager.get(client, keys, units, ticket.touching)
             else:  # zero-copy: the call itself writes into the KV blocks
-                with ticket.writing() as ok:
+                with ticket.touching() as ok:
                     results = ([] if not ok else
                                client.batch_get_into_multi_buffers(keys, *addrs)
                                if plan.src_offsets is None else
@@ -303,7 +421,7 @@ class MooncakeStoreWorker:
             nbytes = sum(r for r in results if r > 0)
             bad = next((r for r in results if r != want), None)
             if bad is not None:
-                code = error_code_label(bad) if bad < 0 else "-600"
+                code = error_code_label(bad) if bad < 0 else SHORT_READ_CODE
                 self._store.check(results)
         except StoreError as e:
             code = e.code
@@ -324,20 +442,28 @@ class MooncakeStoreWorker:
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
             trace_parent=job.trace_parent))
 
-    def _load_expired(self, job: _Job, reason: str) -> None:
-        """Watchdog (timeout) or shutdown: every block of the job is a load error."""
+    def _load_expired(self, job: _Job, reason: str, slot: int | None) -> None:
+        """Watchdog (timeout) or shutdown: every block of the job is a load error. `slot` is
+        the thread that ran it (None: it expired in the queue)."""
         t = job.transfer
         self.ledger.finish_load(t.req_id, t.block_ids)
         now = time.perf_counter()
         self.events.load(LoadEvent(
-            thread=0, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
+            thread=slot, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=0, failed_blocks=len(t.block_ids), code=reason,
             t_enqueue=job.t_enqueue, t_start=now, t_prepared=now, t_lookup_end=now, t_end=now,
             lookup_sampled=False, trace_parent=job.trace_parent))
 
     # ---- save job (runs on the save thread) ------------------------------------------------
-    def _abandoned(self, req_id: str, ticket: Ticket[_Job]) -> bool:
-        return ticket.expired or self.ledger.is_abandoned(req_id)
+    def _release(self, job: _Job) -> None:
+        """The save lets go of its request's blocks: it ended, or it was expired or dropped
+        while not reading them (a put from the staging buffer may still be running). Once per
+        job, whoever gets here first."""
+        with self._release_lock:
+            if job.released:
+                return
+            job.released = True
+        self.ledger.finish_save(job.transfer.req_id)
 
     def _save_job(self, job: _Job, _slot: int, ticket: Ticket[_Job]) -> None:
         t = job.transfer
@@ -352,74 +478,62 @@ class MooncakeStoreWorker:
             plan = self._io[t.group].save
             keys = self._keys.object_keys(t.block_hashes, plan.shards, t.group) if plan else []
             units = plan.units(t.block_ids) if plan else []
+            op = "save_exists"
             exists = client.batch_is_exist(keys) if keys else []
             t_exists = time.perf_counter()
-            if any(e < 0 for e in exists):
-                code, op = error_code_label(min(exists)), "save_exists"
+            down = next((e for e in exists if e in MASTER_DOWN_CODES), None)
+            if down is not None:  # the breaker opens; a put now would only wait for it too
                 self._store.check(exists)
+                raise StoreError(error_code_label(down))
+            op = "save"
+            # Any other failed check counts as absent: the put tells whether the store works.
             new = [i for i, e in enumerate(exists) if e != 1]
             skipped = len(keys) - len(new)
-            if new and self._abandoned(t.req_id, ticket):
-                code, op = ABANDONED_CODE, "save"
-            elif new:
+            if new:
                 new_keys, new_ids = [keys[i] for i in new], [units[i] for i in new]
                 stager = self._stager(client, plan)
-                results = (
-                    stager.put(client, new_keys, new_ids, self._store.replicate)
-                    if stager else
-                    client.batch_put_from_multi_buffers(
-                        new_keys, *plan.addresses(new_ids), self._store.replicate))
+                if stager:  # reads the blocks from the first gather to the last
+                    results = stager.put(client, new_keys, new_ids, ticket.touching,
+                                         self._store.replicate)
+                else:  # zero-copy: the put reads the blocks for its whole call
+                    with ticket.touching() as ok:
+                        results = client.batch_put_from_multi_buffers(
+                            new_keys, *plan.addresses(new_ids),
+                            self._store.replicate) if ok else []
                 # -705: another writer stored the same block meanwhile; that is a skip.
                 skipped += sum(1 for r in results if r == -705)
                 stored = sum(1 for r in results if r == 0)
                 errs = [r for r in results if r < 0 and r != -705]
                 if errs:
-                    code, op = error_code_label(errs[0]), "save"
+                    code = error_code_label(errs[0])
                     self._store.check(errs)
-                if stored and self._abandoned(t.req_id, ticket):
-                    # The blocks may have been rewritten while the put read them.
-                    self._remove(client, [k for k, r in zip(new_keys, results, strict=True)
-                                          if r == 0])
-                    stored, code, op = 0, ABANDONED_CODE, "save"
                 nbytes = stored * plan.block_bytes
                 if stored:
                     self.recorder.count("layout_keys", self.tp_rank, "save",
                                         *self._layout_labels[t.group], n=stored)
         except StoreError as e:
-            code, op = e.code, "save"
+            code = e.code
         except Exception as e:
             code, op = EXCEPTION_CODE, "save"
             logger.warning("save for %s failed: %r", request_hash(t.req_id), e)
+        self._release(job)
         if not ticket.finish():
-            return  # expired: the watchdog already reported it and released its blocks
-        self.ledger.finish_save(t.req_id)
+            return  # expired or dropped: reported then, and it never read released blocks
+        self._saves_failing = bool(code)
         self.events.save(SaveEvent(
             tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=stored, skipped=skipped,
             nbytes=nbytes, code=code, failed_op=op, t_enqueue=job.t_enqueue, t_start=t_start,
             t_ready=t_ready, t_exists_end=t_exists, t_end=time.perf_counter(),
             trace_parent=job.trace_parent))
 
-    def _remove(self, client: Any, keys: list[str]) -> None:
-        """Remove an abandoned save's keys, retrying; what still cannot be removed is logged
-        and counted (failures{op="save_remove"}): it holds KV that may be mixed."""
-        left, rc = keys, 0
-        for attempt in range(REMOVE_ATTEMPTS):
-            results = client.batch_remove(left, force=True)
-            left = [k for k, r in zip(left, results, strict=True) if r not in (0, -704)]
-            if not left:
-                return
-            rc = next(r for r in results if r not in (0, -704))
-            time.sleep(0.05 * (attempt + 1))
-        logger.error("%d key(s) of an abandoned save could not be removed (last code %d); "
-                     "they may hold KV rewritten mid-put: %s", len(left), rc, left[:4])
-        self.recorder.count("failures", self.tp_rank, "save_remove", error_code_label(rc),
-                            n=len(left))
-
-    def _save_expired(self, job: _Job, reason: str) -> None:
-        """A save past its deadline (or queued at shutdown): its request's blocks are released
-        now, so a put still running for it is abandoned and removes what it stored."""
+    def _save_expired(self, job: _Job, reason: str, _slot: int | None) -> None:
+        """A save past its deadline, dropped (preempted, or queued while saves fail) or queued
+        at shutdown: never inside `touching()`, so it has read its blocks already or never
+        will; they are released now."""
+        self._release(job)
+        if reason == TIMEOUT:
+            self._saves_failing = True
         t = job.transfer
-        self.ledger.finish_save(t.req_id)
         now = time.perf_counter()
         self.events.save(SaveEvent(
             tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0, nbytes=0,
@@ -433,7 +547,8 @@ class MooncakeStoreWorker:
         if self._closed:
             return
         self._closed = True
-        stuck = self.pool.close(SHUTDOWN_WAIT_S) + self.save_pool.close(SHUTDOWN_WAIT_S)
+        stuck = self.pool.close(SHUTDOWN_WAIT_S) + self.save_pool.close(SHUTDOWN_WAIT_S) + (
+            self.step_pool.close(SHUTDOWN_WAIT_S) if self.step_pool else [])
         for sub in self.events.subscribers:
             if hasattr(sub, "shutdown"):
                 sub.shutdown()

@@ -47,6 +47,7 @@ class P:
     max: float | None = None
     table_value: str | None = "value"  # tables: header of the Value column (None: hide it)
     exemplars: bool = False  # show the series' exemplars (trace ids of traced jobs)
+    stack: bool = False  # timeseries: stack the series (parts of one whole)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,34 @@ def tenant_hit_rate() -> P:
     ), "Prompt tokens found in the store / tokens looked up, per deployment and tenant "
        "(cache_prefix). A drop while traffic holds: alert MooncakePoolStoreHitRateCollapsed.",
       min=0, max=1, width=24)
+
+
+def store_ttft_panel() -> P:
+    """The store's share of TTFT next to vLLM's own TTFT."""
+    return P("TTFT added by the store", "s", (
+        (quantile(0.99, "ttft_store_seconds", "mode"), "p99 {{mode}} loads"),
+        (quantile(0.5, "ttft_store_seconds", "mode"), "p50 {{mode}} loads"),
+        (quantile_of(0.5, vllm("vllm:time_to_first_token_seconds_bucket")),
+         "p50 vLLM TTFT (all requests)"),
+    ), "Time a request that loads from the store spends before its prefill runs (arrival at "
+       "the scheduler to prefill scheduled), by how its load ran: async (it waited for a "
+       "later step) or sync (inside the step, within sync_load_ms). Against vLLM's TTFT of "
+       "all requests: does the store pay for itself?")
+
+
+def store_ttft_phases_panel() -> P:
+    """Mean time per phase of a store hit, stacked: the phases add up to the mean store time.
+    Requests are counted by their lookup phase, which every one has: counting the total by
+    mode would read 0 in a window where only a mode's new series moved (a division by 0)."""
+    per_request = f"scalar({rate(series('ttft_store_phase_seconds', '_count', phase='lookup'))})"
+    return P("Where a store hit's TTFT goes (mean per request)", "s", (
+        (f"{rate(series('ttft_store_phase_seconds', '_sum'), 'phase')} / {per_request}",
+         "{{phase}}"),
+    ), "Mean seconds per request that loaded from the store, by phase: lookup (to the store's "
+       "answer), admit (to the load sent to the workers), load_start (to queued on the "
+       "worker), load_queue, load_transfer, load_report (to vLLM hearing of it at a step's "
+       "end), handoff (scheduler-worker round trip), reschedule (to the prefill scheduled). "
+       "In-step loads have no report wait, handoff or reschedule.", stack=True)
 
 
 def failures_panel() -> P:
@@ -176,9 +205,12 @@ def master_ha_row() -> Row:
              f"[$__rate_interval]))", "HA state changes {{instance}}"),
             (f"sum by (pod) (increase({series('master_failovers')}[$__rate_interval]))",
              "ridden through {{pod}}"),
-        ), "State changes of each master's HA state machine (a promotion is several), and "
+            (f"sum by (pod) (increase({series('master_probe_errors')}[$__rate_interval]))",
+             "probe errors {{pod}}"),
+        ), "State changes of each master's HA state machine (a promotion is several), "
            "failovers each engine's store client rode through (its breaker closed on a new "
-           "leader).", width=6),
+           "leader), and rounds of the breaker's probe that failed with an error (etcd "
+           "answering garbage, the client raising; logged, the probe goes on).", width=6),
         P("Time without a master (engines)", "percentunit", (
             (rate(series("master_down_seconds"), _BY_RANK), _RANK),
         ), "Share of time each engine rank's store client had no master answering (breaker "
@@ -231,6 +263,8 @@ LOAD_PIPELINE = Dash(
             P("Time to first token (vLLM)", "s",
               vllm_p50_p99("vllm:time_to_first_token_seconds_bucket", "TTFT"),
               "vLLM's TTFT, for context: store loads should lower it."),
+            store_ttft_panel(),
+            store_ttft_phases_panel(),
         )),
         Row("Throughput", (
             P("Load bandwidth per thread and total", "Bps", per_thread_and_total("load_bytes"),
@@ -402,6 +436,8 @@ def _panel(spec: P, panel_id: int):
                       .sort(common.SortOrder.DESCENDING))
              .override_by_regexp("^p50", [dm.DynamicConfigValue(
                  id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]))
+        if spec.stack:
+            b = b.stacking(cb.StackingConfig().mode(common.StackingMode.NORMAL))
     elif spec.kind == "stat":
         b = stat.Panel().text_mode(common.BigValueTextMode.VALUE_AND_NAME)
     elif spec.kind == "table":

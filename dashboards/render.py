@@ -1,6 +1,6 @@
 """Render the committed dashboards to PNG from a live Prometheus, with matplotlib.
 
-    python -m dashboards.render --prometheus http://127.0.0.1:9090 --out dashboards/png/
+    python -m dashboards.render --prometheus http://127.0.0.1:9090 --out docs/img/
     python -m dashboards.render --prometheus URL --start 1764430000 --end 1764430600 --step 2
 
 Each dashboard becomes one PNG laid out like Grafana's grid (24 columns, rows as bands): every
@@ -335,7 +335,8 @@ def _natural(s: str) -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--prometheus", required=True, help="Prometheus base URL")
-    ap.add_argument("--out", type=Path, default=HERE / "png", help="output directory")
+    ap.add_argument("--out", type=Path, default=HERE.parent / "docs" / "img",
+                    help="output directory (the docs site's pictures)")
     ap.add_argument("--start", type=float, help="unix seconds (default: end - --minutes)")
     ap.add_argument("--end", type=float, help="unix seconds (default: now)")
     ap.add_argument("--minutes", type=float, default=15, help="window when --start is not given")

@@ -100,7 +100,7 @@ def main() -> None:
         secs = time.monotonic() - t0
         time.sleep(0.5)  # one more stats interval reaches /metrics
         print(summary(before, server.metrics(), len(prompts), secs, args.threads))
-        print(f"outputs identical to pass 1: {first == second}")
+        print(f"outputs identical to pass 1: {first == second} ({server.dtype})")
         print(f"metrics: {server.url}/metrics  (families vllm:mooncake_pool_*)")
         if args.keep_running:
             print("demo: running; Ctrl-C to stop")

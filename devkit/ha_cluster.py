@@ -8,14 +8,22 @@ Clients must use the masters' cluster id (`MC_STORE_CLUSTER_ID`), else their set
 
     cluster = HaCluster().start()
     cluster.store_config()   # connector fields: etcd:// addresses and cluster_id
-    cluster.leader().kill()  # the standby serves about 10 s later, with all metadata
+    cluster.leader().kill()  # the standby serves after the lease and its warm-up, with all metadata
+
+A master that exits on its own is started again by a supervisor thread, as Kubernetes'
+`restartPolicy: Always` does for the chart's masters: a promoted standby whose RPC port was
+taken exits with status 255, and without a restart no master serves again. The masters' RPC
+ports are chosen where no outgoing connection can take them (`service_port`). A master that
+the caller kills or stops is left alone (`restart` brings it back).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,8 +32,10 @@ from pathlib import Path
 
 from connector.config import CLUSTER_ID_ENV
 from connector.store import RPC_CONNECT_TIMEOUT_ENV, RPC_TIMEOUT_ENV
-from devkit.local_cluster import MooncakeMaster, StoreNode, _binary, free_port
+from devkit.local_cluster import MooncakeMaster, StoreNode, _binary, free_port, service_port
 from devkit.processes import HOST, spawn, stop_process, wait_http
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,9 +75,11 @@ class HaMaster(MooncakeMaster):
     """One `mooncake_master` of an HA group. Its admin port (metrics_port) serves /metrics,
     /role (leader | standby), /ha_status and /health (JSON with role and service_ready)."""
 
+    rpc_port: int = field(default_factory=service_port)  # bound only once promoted
     etcd_endpoints: str = ""
     cluster_id: str = ""
     wrap: tuple[str, ...] = ()  # argv prefix, e.g. ("ip", "netns", "exec", NS)
+    exits: list[int] = field(default_factory=list)  # statuses of exits the supervisor saw
 
     @property
     def metadata_server(self) -> str:
@@ -104,6 +116,9 @@ class HaMaster(MooncakeMaster):
         h = self.health()
         return h.get("role") == "leader" and bool(h.get("service_ready"))
 
+    def log(self) -> str:
+        return (Path(self.log_dir) / f"master-{self.rpc_port}.log").read_text(errors="replace")
+
     def following(self) -> bool:
         """A standby whose oplog watcher runs (ha_standby_state 3 = WATCHING)."""
         if self.health().get("role") != "standby":
@@ -118,9 +133,16 @@ class HaCluster:
     cluster_id: str = "mcpool-dev"
     segment_size: str = "512MB"
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mooncake-ha-"))
-    etcd: Etcd | None = None  # None: start one of our own (made in __post_init__)
+    # None: start one of our own (made in __post_init__). One already running is shared: left
+    # running at stop (give each group on it its own cluster_id).
+    etcd: Etcd | None = None
     masters: list[HaMaster] = field(default_factory=list)
     node: StoreNode | None = None
+    supervise: bool = True  # start a master again when it exits on its own
+    restart_delay_s: float = 1.0  # between an exit (or a failed start) and the next start
+    _supervisor: threading.Thread | None = field(default=None, repr=False)
+    _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
+    _own_etcd: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.etcd = self.etcd or Etcd(log_dir=self.log_dir)
@@ -149,14 +171,36 @@ class HaCluster:
         return self.leader().metrics_text()
 
     def start(self, timeout: float = 60.0) -> HaCluster:
-        self.etcd.start()
+        if self.etcd.proc is None:
+            self.etcd.start()
+            self._own_etcd = True
         first, second = self.masters
         first.start()
         self.wait_serving(timeout)  # the first master wins the election
         second.start()
         self.wait_following(second, timeout)
         self.node = StoreNode(self, segment_size=self.segment_size, env=self.env).start()
+        self._supervisor = threading.Thread(target=self._supervise, name="ha-supervisor",
+                                            daemon=True)
+        self._supervisor.start()
         return self
+
+    def _supervise(self) -> None:
+        """Start again every master whose process exited while nobody stopped it."""
+        while not self._stopping.wait(0.1):
+            for m in self.masters:
+                proc = m.proc
+                if not self.supervise or proc is None or proc.poll() is None:
+                    continue
+                m.exits.append(proc.returncode)
+                logger.warning("master %s exited with status %d; starting it again in %.1fs",
+                               m.address, proc.returncode, self.restart_delay_s)
+                if self._stopping.wait(self.restart_delay_s) or m.proc is not proc:
+                    continue  # stopping, or the caller restarted or killed it meanwhile
+                try:
+                    m.start()
+                except (RuntimeError, TimeoutError) as e:  # exited again at once: next round
+                    logger.warning("master %s did not start again: %s", m.address, e)
 
     def leader(self) -> HaMaster:
         for m in self.masters:
@@ -197,6 +241,9 @@ class HaCluster:
         return cfg
 
     def stop(self) -> None:
-        for proc in (self.node, *self.masters, self.etcd):
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(60)
+        for proc in (self.node, *self.masters, self.etcd if self._own_etcd else None):
             if proc is not None:
                 proc.stop()

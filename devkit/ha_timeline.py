@@ -1,13 +1,21 @@
 """Measure a Mooncake master failover as the connector's store client sees it, and write the
-timeline that the README's reliability table quotes (docs/failover.json):
+timeline that docs/reliability-failover.md quotes (docs/failover.json):
 
-    python -m devkit.ha_timeline [--runs 2] [--out docs/failover.json]
+    python -m devkit.ha_timeline [--runs 2] [--out docs/failover.json] [--client-only]
+
+then run the engine-level HA tests (tests/e2e/test_ha_failover.py, a real `vllm serve`), which
+add their figures to the same file, and re-render the quoted passages (`bench.claims`): one
+command re-records everything the failover tables show.
 
 Each run starts a local HA group (devkit.ha_cluster), stores N objects through the
-connector's `StoreHandle`, SIGKILLs the leader, and records (seconds after the kill): when etcd
-names the new leader, when it serves, when the connector's circuit breaker closes, the first
-get of an old object and the first put that succeed, how long one store call blocked while no
-leader served, and how many of the N objects are still readable.
+connector's `StoreHandle` (with the engines' probe interval), SIGKILLs the leader, and records
+(seconds after the kill): when etcd names the new leader, when it serves, when the store node
+has remounted its segment on it, when the connector's circuit breaker closes, the first get of
+an old object and the first put that succeed (store hits are back), how long one store call
+blocked while no leader served, and how many of the N objects are still readable. Part of the
+time to store hits is the connector's and the store node's own: `store_hits_after_serving_s`
+is what remains once the new leader serves. The 1-minute load average is recorded with each
+run (this machine is shared: re-record on a quiet one).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +35,8 @@ import numpy as np
 
 from connector.config import load_config
 from connector.store import MASTER_DOWN_CODES, StoreHandle, etcd_leader
-from devkit.ha_cluster import HaCluster
+from devkit.ha_cluster import HaCluster, HaMaster
+from devkit.local_cluster import segment_mounted
 
 OBJECT_BYTES = 64 * 2**10
 RECORD_ENV = "MCPOOL_FAILOVER_RECORD"  # path: the HA tests add their figures to it
@@ -56,12 +66,25 @@ def _until(pred, timeout: float, step: float = 0.02) -> float | None:
     return None
 
 
-def measure_failover(cluster: HaCluster, objects: int = 200, timeout: float = 60.0
-                     ) -> dict[str, Any]:
+def _watch(pred, timeout: float, since, out: dict[str, Any], key: str) -> threading.Thread:
+    """A thread that sets out[key] to since() once pred() is true."""
+    def run() -> None:
+        if _until(pred, timeout) is not None:
+            out[key] = since()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def measure_failover(cluster: HaCluster, objects: int = 200, timeout: float = 60.0,
+                     store_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Kill the leader of a running `cluster` and time the failover; the killed master is
-    started again (as the new standby) before returning."""
-    cfg = load_config(cluster.store_config(), os.environ).store
-    handle = StoreHandle(cfg, 0, 2 * objects * OBJECT_BYTES, "fail", 5.0, probe_s=0.1)
+    started again (as the new standby) before returning. `store_config`: the connector
+    fields of the client (default `cluster.store_config()`; a process keeps one etcd client,
+    so tests pass the endpoint their other clients use)."""
+    cfg = load_config(store_config or cluster.store_config(), os.environ).store
+    handle = StoreHandle(cfg, 0, 2 * objects * OBJECT_BYTES, "fail", 5.0)  # engines' probe_s
     client = handle.client
     data = np.random.default_rng(0).integers(0, 255, objects * OBJECT_BYTES, dtype=np.uint8)
     back = np.zeros_like(data)
@@ -73,11 +96,23 @@ def measure_failover(cluster: HaCluster, objects: int = 200, timeout: float = 60
     assert client.batch_put_from(keys, addrs, [OBJECT_BYTES] * objects) == [0] * objects
     time.sleep(1.5)  # > --oplog_poll_interval_ms: the standby has applied the puts
     old = cluster.leader()
+    out: dict[str, Any] = {"loadavg_1m": round(os.getloadavg()[0], 2)}
     t_kill = time.monotonic()
     old.kill()
     since = lambda: round(time.monotonic() - t_kill, 3)  # noqa: E731
+
+    def new_leader() -> HaMaster | None:
+        return next((m for m in cluster.masters
+                     if m is not old and m.proc is not None and m.serving()), None)
+
+    watchers = [  # cheap polls of etcd and the masters' admin ports, side by side
+        _watch(lambda: etcd_leader(cfg, 1.0)[0] not in ("", old.address), timeout, since, out,
+               "new_leader_in_etcd_s"),
+        _watch(lambda: new_leader() is not None, timeout, since, out, "new_leader_serving_s"),
+        _watch(lambda: (m := new_leader()) is not None and segment_mounted(m), timeout, since,
+               out, "segment_remounted_s")]
     first = client.batch_is_exist([keys[0]])[0]  # the call that trips the breaker
-    out: dict[str, Any] = {"first_call_code": first, "first_call_s": since()}
+    out |= {"first_call_code": first, "first_call_s": since()}
     assert first in MASTER_DOWN_CODES, f"a call right after the kill returned {first}"
     handle.trip(first)
     assert handle.ready() is None, "the breaker did not open on the first failed call"
@@ -89,10 +124,7 @@ def measure_failover(cluster: HaCluster, objects: int = 200, timeout: float = 60
 
     blocked = threading.Thread(target=blocked_call)
     blocked.start()
-    _until(lambda: etcd_leader(cfg, 1.0)[0] not in ("", old.address), timeout)
-    out["new_leader_in_etcd_s"] = since()
-    new = cluster.wait_serving(timeout, exclude=old)
-    out["new_leader_serving_s"] = since()
+    # Jobs make store calls only while the breaker is closed: so do these.
     _until(lambda: handle.ready() is not None, timeout)
     out["breaker_closed_s"] = since()
     _until(lambda: client.get_into(keys[0], back.ctypes.data, OBJECT_BYTES) == OBJECT_BYTES,
@@ -100,7 +132,11 @@ def measure_failover(cluster: HaCluster, objects: int = 200, timeout: float = 60
     out["first_old_get_ok_s"] = since()
     _until(lambda: client.put_from(f"{tag}-new", data.ctypes.data, OBJECT_BYTES) == 0, timeout)
     out["first_put_ok_s"] = since()
-    blocked.join()
+    for t in (blocked, *watchers):
+        t.join()
+    new = cluster.leader()
+    out["store_hits_after_serving_s"] = round(out["first_old_get_ok_s"]
+                                              - out["new_leader_serving_s"], 3)
     got = client.batch_get_into(keys, [back.ctypes.data + i * OBJECT_BYTES
                                        for i in range(objects)], [OBJECT_BYTES] * objects)
     out["objects"] = objects
@@ -118,7 +154,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--out", default="docs/failover.json")
+    ap.add_argument("--client-only", action="store_true",
+                    help="only the client timeline: no engine-level tests, no re-rendering")
     args = ap.parse_args()
+    environ = dict(os.environ)  # the engines' tests start from the caller's environment
     cluster = HaCluster().start()
     os.environ.update(cluster.env)
     try:
@@ -132,6 +171,12 @@ def main() -> None:
                 "node), seen by the connector's StoreHandle; seconds after the kill",
         "runs": runs}, args.out)
     print(f"wrote {args.out}")
+    if args.client_only:
+        return
+    out = str(Path(args.out).resolve())
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/e2e/test_ha_failover.py"],
+                   env={**environ, RECORD_ENV: out}, check=True)
+    subprocess.run([sys.executable, "-m", "bench.claims"], check=True)
 
 
 def _mooncake_version() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,6 +29,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+# Mooncake's transfer engines bind random ports in this range.
+TRANSFER_ENGINE_PORTS = range(15000, 17001)
+
+
+def ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections."""
+    lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return range(int(lo), int(hi) + 1)
+
+
+def service_port() -> int:
+    """A free port for a server that binds it only later, or again after a restart (an HA
+    standby opens its RPC port when it is promoted): outside the ephemeral range, where any
+    outgoing connection may take it meanwhile (a promotion then fails: the master logs
+    "Failed to start master service: 1" and exits 255), and outside the transfer engines'
+    range. Chosen at random, so that concurrent test runs rarely pick the same one."""
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in range(TRANSFER_ENGINE_PORTS.stop, 65536)
+                  if p not in ephemeral]
+    for port in random.sample(candidates, 200):
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port outside the ephemeral and transfer-engine ranges")
 
 
 def _binary(name: str) -> str:
@@ -146,15 +176,20 @@ class StoreNode:
         self.proc = None
 
 
+def segment_mounted(master: MooncakeMaster) -> bool:
+    """Whether the master reports some mounted capacity (a store node has mounted on it)."""
+    try:
+        return any(line.startswith("master_total_capacity_bytes") and float(line.split()[-1]) > 0
+                   for line in master.metrics_text().splitlines())
+    except OSError:
+        return False
+
+
 def _wait_segment_mounted(master: MooncakeMaster, timeout: float = 20.0) -> None:
     """Block until the master reports some mounted capacity (the node finished mounting)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            for line in master.metrics_text().splitlines():
-                if line.startswith("master_total_capacity_bytes") and float(line.split()[-1]) > 0:
-                    return
-        except OSError:
-            pass
+        if segment_mounted(master):
+            return
         time.sleep(0.1)
     raise TimeoutError("store node did not mount its segment on the master in time")

@@ -1,5 +1,5 @@
-"""Child processes for the dev kit: start in their own session, wait until they serve, stop the
-whole process group (SIGTERM, then SIGKILL)."""
+"""Child processes for the dev kit: start in their own session, wait until they serve, freeze
+and resume them (SIGSTOP, SIGCONT), stop the whole process group (SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 HOST = "127.0.0.1"
@@ -65,3 +67,43 @@ def stop_process(proc: subprocess.Popen | None) -> None:
         proc.wait(timeout=10)
     except ProcessLookupError:
         pass
+
+
+def _all_stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (state T), as /proc shows it."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except FileNotFoundError:  # a thread exited meanwhile: look again
+        return False
+    return all(s in ("T", "t") for s in states)
+
+
+def freeze(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGSTOP the process group (a frozen peer: its sockets stay open, nothing answers), and
+    return once /proc shows every thread stopped. killpg returns when the signal is queued, and
+    each thread stops when the kernel next runs it: before that, a request sent to the peer may
+    still be answered (seen here: a store node served a get after its kill had returned)."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _all_stopped(proc.pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {proc.pid} did not stop within {timeout}s")
+        time.sleep(0.001)
+
+
+def thaw(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGCONT)
+
+
+@contextmanager
+def frozen(proc: subprocess.Popen) -> Iterator[None]:
+    """The process group is frozen inside the block (see `freeze`), and resumed after it."""
+    freeze(proc)
+    try:
+        yield
+    finally:
+        thaw(proc)

@@ -82,8 +82,8 @@ def run_load(server: VllmServer, args: argparse.Namespace) -> tuple[dict, list[s
 
     def reset() -> None:
         try:
-            server.reset_prefix_cache()
-        except OSError:  # refused while requests run; the next one will do
+            server.reset_prefix_cache(wait_s=0)  # refused while requests run; the next will do
+        except OSError:  # an HTTP error under load: the next one will do
             pass
 
     pool = ThreadPoolExecutor(32)

@@ -1,5 +1,9 @@
 """Start a real `vllm serve` (optionally with the connector) on a free loopback port, and talk
 to it. Shared by the tests, the demo and the benchmark.
+
+Engines run in float32 unless told otherwise, and their completions refuse to be compared for
+equality unless they ran in float32 (`Completion`): output equality is how the tests tell a
+right block from a wrong one, and in bfloat16 it depends on the CPU.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -20,6 +25,48 @@ from devkit.processes import HOST, spawn, stop_process, wait_http
 
 BLOCK_SIZE = 32
 REPO = Path(__file__).resolve().parent.parent
+# The one dtype in which greedy outputs may be compared for equality. In bfloat16 the KV of a
+# prefix computed alone and inside a batch differ in their last bits on CPUs with AMX-BF16,
+# and the tiny random models have near-tied logits, so greedy tokens flip: numerics a test
+# cannot tell from a wrong block. float32 leaves no such near-tie within reach.
+EXACT_DTYPE = "float32"
+# What operators serve in: for benchmarks, which time engines and assert no outputs equal.
+SERVING_DTYPE = "bfloat16"
+
+
+class InexactComparison(TypeError):
+    """Completions of an engine not in float32 were compared for equality."""
+
+
+class Completion(list):
+    """Greedy token ids from one engine, tagged with that engine's dtype.
+
+    Equality is the suite's exactness check, so `==` and `!=` between completions (and so
+    between lists of them) raise InexactComparison unless every engine involved ran in
+    EXACT_DTYPE: a test cannot assert identical outputs of a bfloat16 engine, whatever it
+    writes.
+    """
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, tokens: list[int], dtype: str) -> None:
+        super().__init__(tokens)
+        self.dtype = dtype
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, list):
+            return NotImplemented
+        for side in (self, other):
+            if isinstance(side, Completion) and side.dtype != EXACT_DTYPE:
+                raise InexactComparison(
+                    f"outputs of a {side.dtype} engine compared for equality: greedy tokens in "
+                    f"{side.dtype} depend on the CPU's kernels (near-ties flip); run engines "
+                    f"whose outputs are compared with dtype={EXACT_DTYPE!r}")
+        return list.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
 
 
 def connector_kv_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +121,7 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     log_path: str = field(default_factory=_new_log_file)
     max_model_len: int = 2048
+    dtype: str = EXACT_DTYPE  # benchmarks that compare no outputs may run bfloat16
     proc: subprocess.Popen | None = None
 
     @property
@@ -84,7 +132,7 @@ class VllmServer:
         cmd = [
             str(Path(sys.executable).parent / "vllm"), "serve", self.model,
             "--host", HOST, "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
-            "--max-model-len", str(self.max_model_len), "--dtype", "bfloat16",
+            "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
             "--max-num-seqs", "32", "--seed", "0", "--enforce-eager", *self.extra_args,
         ]
         if self.kv_config is not None:
@@ -116,16 +164,28 @@ class VllmServer:
             raw = r.read()
         return json.loads(raw) if raw else None
 
-    def complete(self, prompt_ids: list[int], max_tokens: int = 8) -> list[int]:
+    def complete(self, prompt_ids: list[int], max_tokens: int = 8) -> Completion:
         """Greedy completion of a token-id prompt; returns the generated token ids."""
         out = self.post("/v1/completions", {
             "model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
             "temperature": 0.0, "return_token_ids": True, "ignore_eos": True,
         })
-        return out["choices"][0]["token_ids"]
+        return Completion(out["choices"][0]["token_ids"], self.dtype)
 
-    def reset_prefix_cache(self) -> None:
-        self.post("/reset_prefix_cache")
+    def reset_prefix_cache(self, wait_s: float = 60.0) -> bool:
+        """Drop vLLM's local prefix cache. vLLM refuses while any block is held, and the
+        connector holds a finished request's blocks until their saves are stored, so this
+        retries until it succeeds (then every save so far is in the store) and raises
+        TimeoutError after `wait_s`. With wait_s=0: one attempt; returns whether it worked."""
+        deadline = time.monotonic() + wait_s
+        while not self.post("/reset_prefix_cache")["success"]:
+            if wait_s <= 0:
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve refused to reset its prefix cache for {wait_s} s "
+                                   f"(blocks still held):\n{self.log_tail(20)}")
+            time.sleep(0.1)
+        return True
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:

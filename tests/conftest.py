@@ -115,6 +115,41 @@ def pooled_server(tiny_model, master, filled_store, otlp_collector):
 
 
 @pytest.fixture(scope="session")
+def ha_etcd():
+    """One etcd for every HA master group of the session, and a proxy in front of it whose
+    address is the etcd endpoint of every HA client made in this process: Mooncake keeps one
+    etcd client per process ("Etcd client already connected to A, while trying to connect to
+    B"), so each such client must name the same endpoint. Groups on it are told apart by their
+    cluster ids (`ha_group`); engines and store nodes, in their own processes, use etcd itself.
+    The proxy can also answer garbage (`bench.proxy` modes)."""
+    from bench.proxy import DelayProxy
+    from devkit.ha_cluster import Etcd
+
+    etcd = Etcd().start()
+    proxy = DelayProxy(etcd.endpoint, rtt_ms=0.0).start()
+    yield etcd, proxy
+    proxy.stop()
+    etcd.stop()
+
+
+def ha_group(ha_etcd, name: str, **kw):
+    """An HA master group (not started) on the session's etcd, under a cluster id of its own
+    (an id reused on the same etcd would replay the oplog an earlier group left there)."""
+    import uuid
+
+    from devkit.ha_cluster import HaCluster
+
+    return HaCluster(etcd=ha_etcd[0], cluster_id=f"{name}-{uuid.uuid4().hex[:8]}", **kw)
+
+
+def in_process_config(cluster, ha_etcd, **overrides) -> dict:
+    """`cluster.store_config()` for a client in this process: etcd through the session proxy."""
+    address = f"etcd://{ha_etcd[1].address}"
+    return cluster.store_config(master_server_address=address, metadata_server=address,
+                                **overrides)
+
+
+@pytest.fixture(scope="session")
 def store_client(master):
     """A plain Mooncake client, for tests that inspect or tamper with the store."""
     from mooncake.store import MooncakeDistributedStore
@@ -143,21 +178,28 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
 _JUNK = np.full(1 << 20, 0x5A, dtype=np.uint8)  # bigger than any block: a get returns -600
 
 
-def corrupt_stored_block(server: VllmServer, client, prefix: str, prompt: list[int],
-                         index: int) -> str:
-    """Replace the stored object of one block of `prompt` with one of the wrong size, so the
-    scheduler's lookup still hits but the worker's load fails with -600."""
+def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int]) -> list[str]:
+    """The store keys of `prompt`'s full blocks as `server` saved them, once all exist (the
+    save thread writes after the response returns)."""
     from connector.keys import _slug
 
     text = "\n".join(server.metrics())
     fingerprint = re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',
                             text).group(1)
-    key = (f"{prefix}/{_slug(server.model)}/{fingerprint}/g0s0of1/"
-           f"{block_hashes(prompt)[index].hex()}")
-    deadline = time.monotonic() + 10  # the save thread writes after the response returns
-    while client.batch_is_exist([key]) != [1]:
-        assert time.monotonic() < deadline, f"the engine never stored {key}"
+    keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/g0s0of1/{h.hex()}"
+            for h in block_hashes(prompt)]
+    deadline = time.monotonic() + 10
+    while client.batch_is_exist(keys) != [1] * len(keys):
+        assert time.monotonic() < deadline, f"the engine never stored all of {keys}"
         time.sleep(0.1)
+    return keys
+
+
+def corrupt_stored_block(server: VllmServer, client, prefix: str, prompt: list[int],
+                         index: int) -> str:
+    """Replace the stored object of one block of `prompt` with one of the wrong size, so the
+    scheduler's lookup still hits but the worker's load fails with -600."""
+    key = stored_block_keys(server, client, prefix, prompt)[index]
     assert client.remove(key, True) == 0
     client.register_buffer(_JUNK.ctypes.data, _JUNK.nbytes)  # idempotent across calls
     assert client.batch_put_from([key], [_JUNK.ctypes.data], [_JUNK.nbytes]) == [0]

@@ -134,3 +134,16 @@ def kubernetes_validate(path: Path) -> subprocess.CompletedProcess:
             pytest.fail("kubernetes-validate not installed; run scripts/setup_helm.sh")
     return subprocess.run([str(exe), "--strict", "-k", KUBE_VERSION, str(path)],
                           capture_output=True, text=True, timeout=120)
+
+
+def engine_scrape_path(tmp: Path) -> str:
+    """The path the chart's monitors scrape the vLLM engines at (ServiceMonitor and PodMonitor
+    agree, or this fails)."""
+    helm = Helm(ensure_helm(), tmp)
+    paths = set()
+    for kind, endpoints in (("ServiceMonitor", "endpoints"), ("PodMonitor", "podMetricsEndpoints")):
+        docs = helm.render("--set", "monitoring.enabled=true", "--set", f"monitoring.kind={kind}")
+        (mon,) = [d for name, d in by_kind(docs, kind).items() if name.endswith("-vllm")]
+        paths |= {ep["path"] for ep in mon["spec"][endpoints]}
+    (path,) = paths
+    return path

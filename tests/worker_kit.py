@@ -13,6 +13,7 @@ import torch
 from connector.config import load_config
 from connector.keys import KeyBuilder, Layout
 from connector.metadata import StepMetadata
+from connector.store import TIMEOUT_ENV
 from connector.worker import MooncakeStoreWorker
 from devkit.vllm_kv import vllm_caches  # noqa: F401 - re-exported for the tests
 
@@ -33,8 +34,12 @@ def hashes(tag: str, n: int) -> tuple[bytes, ...]:
 
 
 @pytest.fixture
-def make_worker_on():
-    """Workers on CPU KV tensors against a given master; shut down after the test."""
+def make_worker_on(monkeypatch):
+    """Workers on CPU KV tensors against a given master; shut down after the test. Mooncake's
+    call timeouts are process-wide variables that the first worker to set them fixes: each
+    test starts without them, so its own workers' configs decide."""
+    for var in TIMEOUT_ENV:
+        monkeypatch.delenv(var, raising=False)
     workers: list[MooncakeStoreWorker] = []
 
     def make(master, threads: int = 4, heads: int = 2, caches=None, prefix: str = "unit",
@@ -50,6 +55,14 @@ def make_worker_on():
     yield make
     for w in workers:
         w.shutdown()
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    """Poll `cond` until it holds; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 30.0

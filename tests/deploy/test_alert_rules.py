@@ -1,9 +1,12 @@
 """The Prometheus alert rules in dashboards/alerts.yaml: they parse, their promtool unit tests
 pass (each alert fires on a bad series and stays quiet on a healthy one), and every metric they
-name is one the connector exports."""
+name is one the connector exports; every alert has a runbook page (docs/runbooks/<AlertName>.md)
+and a runbook_url to it, and every page an alert."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -113,3 +116,79 @@ def test_alert_test_series_are_exported_by_the_connector():
             want = {"model_name", "engine", *f.labels} | ({"le"} if name.endswith("_bucket")
                                                           else set())
             assert labels - target_labels == want, f"{s['series']}: labels != {sorted(want)}"
+
+
+# ---------------------------------------------------------------- runbooks
+
+RUNBOOKS = ROOT / "docs" / "runbooks"
+SECTIONS = ["What it means", "Confirm it on the dashboards", "Likely causes, most likely first",
+            "Fix"]
+# A panel reference in a runbook: **<dashboard> › <panel title>**.
+PANEL_REF = re.compile(r"\*\*([^*›]+?) › ([^*]+?)\*\*")
+
+
+def _panels() -> dict[str, set[str]]:
+    """Panel and row titles of each dashboard, keyed by its title after 'Mooncake pool / '."""
+    out = {}
+    for path in (ROOT / "dashboards").glob("*.json"):
+        dash = json.loads(path.read_text())
+        titles, stack = set(), list(dash["panels"])
+        while stack:
+            p = stack.pop()
+            titles.add(" ".join(p.get("title", "").split()))
+            stack += p.get("panels", [])
+        out[dash["title"].removeprefix("Mooncake pool / ")] = titles
+    return out
+
+
+def test_every_alert_has_a_runbook_page_and_every_page_an_alert():
+    alerts = {r["alert"] for r in _rules()}
+    pages = {p.stem for p in RUNBOOKS.glob("*.md")}
+    assert not alerts - pages, f"alerts without a page docs/runbooks/<AlertName>.md: " \
+                               f"{sorted(alerts - pages)}"
+    assert not pages - alerts, f"runbook pages of no alert in dashboards/alerts.yaml: " \
+                               f"{sorted(pages - alerts)}"
+
+
+def test_every_alert_links_its_runbook():
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["site_url"]
+    for r in _rules():
+        assert r["annotations"].get("runbook_url") == f"{site}runbooks/{r['alert']}/", \
+            f"{r['alert']}: runbook_url must be <mkdocs.yml site_url>runbooks/{r['alert']}/"
+
+
+@pytest.mark.parametrize("rule", _rules(), ids=lambda r: r["alert"])
+def test_runbook_page_says_what_where_why_and_how(rule):
+    """Each page: its alert and severity, the four sections in order, and panel references
+    that exist on the dashboards."""
+    name = rule["alert"]
+    path = RUNBOOKS / f"{name}.md"
+    if not path.exists():
+        pytest.fail(f"no runbook page {path.relative_to(ROOT)}")
+    text = path.read_text()
+    assert text.startswith(f"# {name}\n"), f"{path.name}: first line must be '# {name}'"
+    assert f"**Severity** {rule['labels']['severity']}." in text, path.name
+    heads = re.findall(r"^## (.+)$", text, re.M)
+    assert heads == SECTIONS, f"{path.name}: sections {heads}, want {SECTIONS}"
+    confirm = text.split("## Confirm it on the dashboards")[1].split("\n## ")[0]
+    refs = PANEL_REF.findall(" ".join(confirm.split()))
+    assert refs, f"{path.name}: name the panels that confirm it, as **Dashboard › Panel**"
+    panels = _panels()
+    for dash, panel in PANEL_REF.findall(" ".join(text.split())):
+        assert dash in panels, f"{path.name}: no dashboard {dash!r}; have {sorted(panels)}"
+        assert panel in panels[dash], f"{path.name}: no panel {panel!r} on {dash!r}"
+
+
+def test_alerts_page_links_every_runbook():
+    page = (ROOT / "docs" / "alerts.md").read_text()
+    for r in _rules():
+        assert f"[{r['alert']}](runbooks/{r['alert']}.md)" in page, \
+            f"docs/alerts.md: add a row for {r['alert']} linking its runbook"
+
+
+def test_no_leader_runbook_names_the_failed_promotion():
+    """The case behind most of this alert's firings on Mooncake 0.3.13, by its log line and
+    exit status, with the prevention and the recovery (tests/store/test_ha_promotion.py)."""
+    text = (RUNBOOKS / "MooncakeMasterNoServingLeader.md").read_text()
+    assert "Failed to start master service: 1" in text and "status 255" in text
+    assert "net.ipv4.ip_local_reserved_ports" in text and "restartPolicy" in text

@@ -63,7 +63,7 @@ def test_lint_strict(helm, values):
 
 
 IMAGE_ERROR = ("at '/image/repository': value must be 'the image you built from "
-               "docker/Dockerfile: set image.repository (helm/README.md, Build the image)'")
+               "docker/Dockerfile: set image.repository (docs/helm.md, Build the image)'")
 
 
 @pytest.mark.parametrize("command", ["template", "install", "lint"])
@@ -437,7 +437,9 @@ def test_service_monitors_select_existing_services_and_ports(helm):
         assert matched, m["metadata"]["name"]
         assert m["spec"]["namespaceSelector"]["matchNames"] == ["llm"]
         (ep,) = m["spec"]["endpoints"]
-        assert ep["path"] == "/metrics" and ep["interval"] == "30s"
+        # the engines' OpenMetrics mount carries the exemplars (tests/e2e checks a live engine)
+        want = "/metrics/" if m["metadata"]["name"].endswith("-vllm") else "/metrics"
+        assert ep["path"] == want and ep["interval"] == "30s"
         for s in matched:
             assert ep["port"] in {p["name"] for p in s["spec"]["ports"]}
     vllm_ports = {p["port"] for s in services for p in s["spec"]["ports"] if p["name"] == "http"}
@@ -456,6 +458,8 @@ def test_pod_monitors_select_existing_pods_and_ports(helm):
         matched = [p for p in pods if sel.items() <= p["metadata"]["labels"].items()]
         assert matched, m["metadata"]["name"]
         (ep,) = m["spec"]["podMetricsEndpoints"]
+        assert ep["path"] == ("/metrics/" if m["metadata"]["name"].endswith("-vllm")
+                              else "/metrics")
         for p in matched:
             assert ep["port"] in {cp["name"] for c in p["spec"]["containers"]
                                   for cp in c["ports"]}
@@ -531,8 +535,7 @@ def test_chart_dashboards_are_the_repo_sources():
 
 def test_rendered_config_is_accepted_by_the_connector(helm, tmp_path):
     """Feed each rendered deployment's extra_config, Mooncake file and env to the connector's
-    own config loader (skipped until the connector package imports)."""
-    config = pytest.importorskip("connector.config")
+    own config loader."""
     docs = helm.render("-f", str(CI_VALUES))
     cms = by_kind(docs, "ConfigMap")
     for d in by_kind(docs, "Deployment").values():
@@ -546,7 +549,7 @@ def test_rendered_config_is_accepted_by_the_connector(helm, tmp_path):
         env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
         env.update(MOONCAKE_CONFIG_PATH=str(path), MOONCAKE_LOCAL_HOSTNAME="10.1.2.3")
         kv = json.loads(arg_after(c["args"], "--kv-transfer-config"))
-        cfg = config.load_config(kv.get("kv_connector_extra_config"), env)
+        cfg = load_config(kv.get("kv_connector_extra_config"), env)
         assert cfg.load_threads == int(env["VLLM_MOONCAKE_LOAD_RECV_THREADS"])
         assert cfg.store.local_hostname == "10.1.2.3"
         assert cfg.store.master_server_address.endswith(".llm.svc:50051")
@@ -559,21 +562,21 @@ def test_probes_can_be_dropped(helm):
     assert "livenessProbe" not in c and c["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
-def test_readme_documents_every_value():
-    """helm/README.md's values tables name every key of the schema."""
-    readme = (ROOT / "helm" / "README.md").read_text()
+def test_helm_page_documents_every_value():
+    """docs/helm.md's values tables name every key of the schema."""
+    readme = (ROOT / "docs" / "helm.md").read_text()
     schema = json.loads((CHART / "values.schema.json").read_text())
     missing = [k for k in schema["properties"] if k != "global" and f"`{k}" not in readme]
     missing += [k for k in schema["definitions"]["deployment"]["properties"]
                 if f"`{k}" not in readme]
     missing += [k for k in schema["definitions"]["extraConfig"]["properties"]
                 if f"`{k}`" not in readme]
-    assert not missing, f"document these values in helm/README.md: {missing}"
+    assert not missing, f"document these values in docs/helm.md: {missing}"
 
 
-def test_readme_walkthrough_values_install(helm, tmp_path):
-    """The my-values.yaml of helm/README.md's walkthrough installs (dry run) and validates."""
-    readme = (ROOT / "helm" / "README.md").read_text()
+def test_helm_page_walkthrough_values_install(helm, tmp_path):
+    """The my-values.yaml of docs/helm.md's walkthrough installs (dry run) and validates."""
+    readme = (ROOT / "docs" / "helm.md").read_text()
     block = readme.split("`my-values.yaml`, with the values", 1)[1].split("```yaml\n", 1)[1]
     values = tmp_path / "my-values.yaml"
     values.write_text(block.split("```", 1)[0])
@@ -586,3 +589,77 @@ def test_readme_walkthrough_values_install(helm, tmp_path):
     v = kubernetes_validate(rendered)
     assert v.returncode == 0, v.stdout + v.stderr
     assert "Network policies are on" not in r.stdout  # the walkthrough names apiFrom
+
+
+# ---------------------------------------------------------------- helm test
+
+
+def preflight_pod(docs: list[dict]) -> dict:
+    (pod,) = [d for d in docs if d["kind"] == "Pod"]
+    return pod
+
+
+@pytest.mark.parametrize("values", [CI_VALUES, HA_VALUES], ids=["three-deployments", "ha"])
+def test_helm_test_runs_the_preflight_with_each_deployments_config(helm, values):
+    """One test-hook pod, one doctor container per deployment, each with that deployment's
+    --kv-transfer-config, Mooncake ConfigMap and Mooncake environment, as its engine has."""
+    docs = helm.render("-f", str(values))
+    pod = preflight_pod(docs)
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    engines = vllm_containers(docs)
+    doctors = {c["name"].removeprefix("doctor-"): c for c in spec["containers"]}
+    assert set(doctors) == set(engines)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    stores = [d for d in by_kind(docs, "Deployment").values()
+              if d["metadata"]["labels"]["app.kubernetes.io/component"] == "store-node"]
+    replicas = stores[0]["spec"]["replicas"] if stores else 1  # engines hold the pool
+    for name, doc in doctors.items():
+        eng = engines[name]
+        assert doc["command"] == ["mcpool-doctor"]
+        args = doc["args"]
+        assert arg_after(args, "--kv-transfer-config") == arg_after(eng["args"],
+                                                                     "--kv-transfer-config")
+        assert "--master-metrics-port=9003" in args
+        assert f"--min-segments={replicas}" in args
+        env, eng_env = env_of(doc), env_of(eng)
+        for var in ("MOONCAKE_CONFIG_PATH", "MOONCAKE_LOCAL_HOSTNAME",
+                    "VLLM_MOONCAKE_LOAD_RECV_THREADS", "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT",
+                    "MC_STORE_CLUSTER_ID"):
+            assert env.get(var) == eng_env.get(var), (name, var)
+        (mount,) = [m for m in doc["volumeMounts"] if m["mountPath"] == "/etc/mooncake"]
+        assert volumes[mount["name"]]["configMap"]["name"] == \
+            f"{RELEASE}-mooncake-pooled-connector-{name}-mooncake"
+        assert doc["securityContext"]["readOnlyRootFilesystem"] is True
+    if values == HA_VALUES:
+        assert all("MC_STORE_CLUSTER_ID" in env_of(c) for c in doctors.values())
+
+
+def test_helm_test_can_be_turned_off(helm):
+    docs = helm.render("--set", "helmTest.enabled=false")
+    assert not [d for d in docs if d["kind"] == "Pod"]
+    assert not [n for n in by_kind(docs, "NetworkPolicy") if n.endswith("-preflight")]
+
+
+def test_runbook_urls_follow_the_published_site(helm, tmp_path):
+    """Every alert's runbook_url points at <runbookBaseUrl>runbooks/<AlertName>/; unset, the
+    rules are rendered as dashboards/alerts.yaml has them (mkdocs.yml's site_url)."""
+    src = yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())
+    (rule,) = by_kind(helm.render("--set", "prometheusRule.enabled=true"),
+                      "PrometheusRule").values()
+    assert rule["spec"]["groups"] == src["groups"]
+    base = "https://runbooks.internal.example/mooncake/"
+    (rule,) = by_kind(helm.render("--set", "prometheusRule.enabled=true", "--set",
+                                  f"prometheusRule.runbookBaseUrl={base}"),
+                      "PrometheusRule").values()
+    rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert rules and all(r["annotations"]["runbook_url"] == f"{base}runbooks/{r['alert']}/"
+                         for r in rules)
+    src_rules = [r for g in src["groups"] for r in g["rules"]]
+    for got, want in zip(rules, src_rules, strict=True):  # nothing else changed
+        assert {k: v for k, v in got["annotations"].items() if k != "runbook_url"} == \
+            {k: v for k, v in want["annotations"].items() if k != "runbook_url"}
+        assert got["expr"] == want["expr"]
+    err = helm.error("--set", "prometheusRule.runbookBaseUrl=https://no-trailing-slash")
+    assert "runbookBaseUrl" in err

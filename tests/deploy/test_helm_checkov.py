@@ -84,6 +84,8 @@ def test_no_stale_skips(findings):
 
 
 def test_capability_finding_is_only_the_rdma_deployment(findings):
-    """IPC_LOCK is the expected RDMA capability: nothing else adds one."""
+    """IPC_LOCK is the expected RDMA capability: nothing else adds one (the helm test pod has
+    it for the RDMA deployment's preflight container alone)."""
     assert {r for c, r in findings if c == "CKV_K8S_25"} == \
-        {"Deployment.llm.pool-mooncake-pooled-connector-threads-16"}
+        {"Deployment.llm.pool-mooncake-pooled-connector-threads-16",
+         "Pod.llm.pool-mooncake-pooled-connector-preflight"}

@@ -179,3 +179,24 @@ def test_both_masters_are_scraped(helm, kind, endpoints):
 def test_schema_rejects_bad_ha_values(helm, setting, message):
     err = helm.error("-f", str(HA_VALUES), "--set", setting)
     assert message in err, err
+
+
+def test_a_master_that_exits_is_started_again(helm, ha):
+    """A promoted standby that cannot bind its RPC port exits with status 255 and no master
+    serves (tests/store/test_ha_promotion.py). What recovers it here is restartPolicy: the
+    master is the container's own process (no shell to outlive it), so the kubelet starts it
+    again and it takes over. The /health probes cannot: /health answers 200 in every HA
+    state. From Kubernetes 1.27 the pod also reserves the RPC port, so the case cannot arise
+    from the pod's own outgoing connections."""
+    pod = master_pod(ha)["spec"]
+    assert pod["restartPolicy"] == "Always"
+    (c,) = pod["containers"]
+    assert c["command"] == ["mooncake_master"] and "--rpc_port=50051" in c["args"]
+    assert all("exec" not in c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+    assert pod["securityContext"]["sysctls"] == [
+        {"name": "net.ipv4.ip_local_reserved_ports", "value": "50051"}]
+    for args in (("--kube-version", "1.26.0"), ("--set", "master.ha.reserveRpcPort=false")):
+        pod = master_pod(helm.render("-f", str(HA_VALUES), *args))["spec"]
+        assert "sysctls" not in pod["securityContext"] and pod["restartPolicy"] == "Always"
+    single = by_kind(helm.render(), "Deployment")[MASTER]["spec"]["template"]["spec"]
+    assert single["restartPolicy"] == "Always" and "sysctls" not in single["securityContext"]

@@ -3,7 +3,7 @@ every rendered pod selected by one, no rule that admits everybody, and the trans
 port range in the policies equal to the range the processes are told to pick from.
 
 The ports themselves were observed on a running master + store node + client (ss -ltnp):
-the traffic matrix in helm/README.md, "Network policies", lists them.
+the traffic matrix in docs/helm.md, "Network policies", lists them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ def helm(tmp_path_factory) -> Helm:
 
 
 def pod_templates(docs: list[dict]) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d["spec"]["template"] for d in docs if d["kind"] in WORKLOADS}
+    """Every pod the release runs: workload templates, and bare pods (the helm test hook)."""
+    out = {d["metadata"]["name"]: d["spec"]["template"] for d in docs if d["kind"] in WORKLOADS}
+    out |= {d["metadata"]["name"]: d for d in docs if d["kind"] == "Pod"}
+    return out
 
 
 def selects(policy: dict, labels: dict) -> bool:
@@ -81,18 +84,25 @@ def test_default_traffic_matrix(helm):
     """Defaults: master and engines; the release talks to itself on exactly these ports."""
     docs = helm.render()
     pols = by_kind(docs, "NetworkPolicy")
-    assert set(pols) == {f"{PREFIX}-master", f"{PREFIX}-vllm"}
+    assert set(pols) == {f"{PREFIX}-master", f"{PREFIX}-vllm", f"{PREFIX}-preflight"}
     master, vllm = pols[f"{PREFIX}-master"], pols[f"{PREFIX}-vllm"]
     assert open_ports(master, RELEASE_PEER) == [(8080, 8080), (9003, 9003), (50051, 50051)]
     assert len(rules_of(master)) == 1  # nobody else: metricsFrom is empty by default
     assert open_ports(vllm, RELEASE_PEER) == [(15000, 17000)]
     assert len(rules_of(vllm)) == 1  # the API port stays closed until apiFrom is set
+    # the helm test pod: a release pod (so the master admits it), its own client's range only
+    preflight = pols[f"{PREFIX}-preflight"]
+    assert open_ports(preflight, RELEASE_PEER) == [(15000, 17000)]
+    assert len(rules_of(preflight)) == 1
+    (pod,) = [d for d in docs if d["kind"] == "Pod"]
+    assert selects(preflight, pod["metadata"]["labels"])
+    assert RELEASE_PEER["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
 
 
 def test_configured_peers_get_only_their_ports(helm):
     docs = helm.render("-f", str(CI_VALUES))
     pols = by_kind(docs, "NetworkPolicy")
-    assert set(pols) == {f"{PREFIX}-master", f"{PREFIX}-vllm", f"{PREFIX}-store"}
+    assert set(pols) == {f"{PREFIX}-{c}" for c in ("master", "vllm", "store", "preflight")}
     prom = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
     gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
@@ -112,7 +122,8 @@ def test_configured_peers_get_only_their_ports(helm):
 def test_ha_policies_cover_etcd_and_drop_the_metadata_port(helm):
     docs = helm.render("-f", str(HA_VALUES))
     pols = by_kind(docs, "NetworkPolicy")
-    assert set(pols) == {f"{PREFIX}-{c}" for c in ("master", "vllm", "store", "etcd")}
+    assert set(pols) == {f"{PREFIX}-{c}"
+                         for c in ("master", "vllm", "store", "etcd", "preflight")}
     # HA masters serve no HTTP metadata (it lives in etcd)
     assert open_ports(pols[f"{PREFIX}-master"], RELEASE_PEER) == [(9003, 9003), (50051, 50051)]
     assert open_ports(pols[f"{PREFIX}-etcd"], RELEASE_PEER) == [(2379, 2379)]

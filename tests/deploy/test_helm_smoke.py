@@ -10,10 +10,13 @@ pod gets from Kubernetes:
   ports: rewritten to 127.0.0.1 and the local port of the Service's target container port;
 - volumes: ConfigMap contents are written to a temp dir, other volumes become temp dirs, and
   paths under a mountPath (MOONCAKE_CONFIG_PATH, HOME, HF_HOME, ...) point there;
-- downward API `status.podIP`: 127.0.0.1.
+- downward API `status.podIP`: 127.0.0.1;
+- a console script of this package (the helm test pod's `mcpool-doctor`): the function its
+  `[project.scripts]` entry names, run by this interpreter.
 
-Then show that vLLM starts with the connector and the rendered thread count, and that a long
-prompt sent twice, with `POST /reset_prefix_cache` in between, is served from the store.
+Then show that vLLM starts with the connector and the rendered thread count, that a long
+prompt sent twice, with `POST /reset_prefix_cache` in between, is served from the store, and
+that the `helm test` pod's preflight passes every check against the running master and engine.
 """
 
 from __future__ import annotations
@@ -113,7 +116,9 @@ class LocalCluster:
         return [d for d in self.docs if d["kind"] == kind]
 
     def workloads(self) -> dict[str, dict]:
-        return {d["metadata"]["name"]: d["spec"]["template"] for d in self.kind("Deployment")}
+        """Pod templates of the Deployments, and the bare Pods (the helm test hook)."""
+        pods = {d["metadata"]["name"]: d["spec"]["template"] for d in self.kind("Deployment")}
+        return pods | {d["metadata"]["name"]: d for d in self.kind("Pod")}
 
     def _workload_for(self, selector: dict):
         for name, tpl in self.workloads().items():
@@ -180,8 +185,22 @@ class LocalCluster:
                 env[e["name"]] = LOCAL
             else:
                 raise AssertionError(f"smoke test cannot provide env {e}")
-        command = [str(VENV_BIN / c["command"][0]), *c["command"][1:]]
+        exe, *rest = c["command"]
+        scripts = console_scripts()
+        if exe in scripts:  # our console script: the function it names
+            module, func = scripts[exe].split(":")
+            command = [sys.executable, "-c",
+                       f"import sys; from {module} import {func}; sys.exit({func}())", *rest]
+        else:
+            command = [str(VENV_BIN / exe), *rest]
         return LocalProcess(command + out_args, env, base, ports)
+
+
+def console_scripts() -> dict[str, str]:
+    """pyproject's [project.scripts]: command -> "module:function"."""
+    section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]\n", 1)[1]
+    section = section.split("\n[", 1)[0]
+    return dict(re.findall(r'^([\w-]+)\s*=\s*"([\w.]+:\w+)"', section, re.M))
 
 
 @dataclass
@@ -224,6 +243,13 @@ class LocalProcess:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+    def run(self, timeout: float) -> subprocess.CompletedProcess:
+        """Run to completion (a test pod's container), as `start` would run it."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, "PYTHONPATH": str(ROOT)}
+        return subprocess.run(self.argv, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
 
 
 # ---------------------------------------------------------------- HTTP and metrics
@@ -333,6 +359,20 @@ def test_rendered_chart_runs_locally_and_serves_a_store_hit(tmp_path):
         # the master saw the engine's segment and the stored keys
         master_metrics = f"http://{LOCAL}:{metrics}/metrics"
         assert sum(metric_samples(master_metrics, "master_total_capacity_bytes")) > 0
+
+        # `helm test`: the rendered preflight container against the running release. The
+        # master's metrics port is a bare number in its arguments, so map it here.
+        preflight_name, _ = cluster.component("preflight")
+        doctor = cluster.process(preflight_name, "doctor-smoke")
+        assert "--master-metrics-port=9003" in doctor.argv
+        doctor.argv = [a.replace("--master-metrics-port=9003", f"--master-metrics-port={metrics}")
+                       for a in doctor.argv]
+        r = doctor.run(timeout=180)
+        lines = r.stdout.splitlines()
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+        assert [ln.split()[0] for ln in lines] == ["PASS"] * 5, r.stdout
+        assert f"Mooncake master {LOCAL}:{rpc}" in r.stdout
+        assert "1 mounted" in r.stdout and "put, get and remove" in r.stdout
     finally:
         engine.stop()
         master.stop()

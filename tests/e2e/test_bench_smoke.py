@@ -93,8 +93,9 @@ def test_tune_recommends_and_plots(tmp_path):
 
 
 def test_serving_benchmark_quick(tmp_path):
-    """`bench.serve --quick`: real engines behind `vllm bench serve`; a fresh engine gets the
-    prefixes a filler engine stored, the no-connector engine none, its warm rerun hits locally."""
+    """`bench.serve --quick`: real engines behind vLLM's client, the cases interleaved round by
+    round; the engine reads the prefixes its first pass stored, the no-connector engine none,
+    its warm rerun hits locally; the reference get and the TTFT breakdown are recorded."""
     js, png = tmp_path / "serve.json", tmp_path / "serve.png"
     proc = _run(["-m", "bench.serve", "--quick", "--json", str(js), "--png", str(png)], 420)
     data = json.loads(js.read_text())
@@ -107,14 +108,30 @@ def test_serving_benchmark_quick(tmp_path):
             # ITL may read 0 where the client got every token in one chunk (a warm local
             # cache answers 16 tokens faster than a loaded client reads them: seen here).
             assert s["request_throughput"] > 0 and 0 <= s["itl_p50_ms"] <= s["itl_p99_ms"]
+            assert s["rounds"] == 2
     assert all(s["itl_p50_ms"] > 0 for s in summary["no-connector"].values())
-    runs = {c: next(iter(r["points"].values()))[0] for c, r in data["runs"].items()}
-    assert all(r["completed"] == prompts and len(r["ttfts_ms"]) == prompts for r in runs.values())
-    # Every full block but the last of each prompt comes from the store on the fresh engine.
+    # Every round ran every case (and the reference get) once, in a random order.
+    assert all(t["loadavg_1m"] >= 0 and t["others_cores"] >= 0 for t in data["turns"])
+    turns = [(t["round"], t["case"]) for t in data["turns"]]
+    assert sorted(turns) == sorted((r, c) for r in (0, 1)
+                                   for c in ("no-connector", "ours-4t", "reference get"))
+    runs = {c: next(iter(r["points"].values())) for c, r in data["runs"].items()}
+    for case, rounds in runs.items():
+        assert all(r["completed"] == prompts == len(r["ttfts_ms"]) for r in rounds), case
+    # Every full block but the last of each prompt comes from the store on the ours engine.
     blocks = (data["meta"]["workload"]["prefix_len"] + data["meta"]["workload"]["suffix_len"]) // 32
-    assert runs["ours-4t"]["store_hit_tokens"] >= prompts * (blocks - 1) * 32
-    assert runs["no-connector"]["store_hit_tokens"] == 0
-    assert runs["local-warm"]["local_hit_tokens"] >= prompts * (blocks - 1) * 32
+    assert all(r["store_hit_tokens"] >= prompts * (blocks - 1) * 32 for r in runs["ours-4t"])
+    assert all(r["store_hit_tokens"] == 0 for r in runs["no-connector"])
+    assert all(r["local_hit_tokens"] >= prompts * (blocks - 1) * 32 for r in runs["local-warm"])
     assert data["fillers"]["ours"]["saved_keys"] >= prompts * blocks
-    assert len(data["targets"]) == 4 and "Targets:" in proc.stdout
+    # The store's share of TTFT, phase by phase, for every request that loaded.
+    b = summary["ours-4t"]["concurrency-8"]["breakdown"]
+    assert b["requests"] == 2 * prompts and b["store_ms"] > 0
+    assert sum(b["phases_ms"].values()) == pytest.approx(b["store_ms"], rel=0.01)
+    assert summary["no-connector"]["concurrency-8"]["breakdown"] is None
+    ref = data["reference"]
+    assert ref["blocks"] == blocks - 1 and all(v > 0 for v in ref["per_round_ms"]["concurrency-8"])
+    names = {t["target"] for t in data["targets"]}
+    assert any("reference get" in n for n in names) and "Comparisons" in proc.stdout
+    assert all(t["met"] is None for t in data["targets"])  # two rounds resolve no target
     assert png.read_bytes()[:4] == b"\x89PNG"

@@ -3,7 +3,7 @@ scrapes a real `vllm serve` with the connector (4 receive threads over a filled 
 conftest's `pooled_server`) and the real Mooncake master while a workload runs. Each panel target
 must return data, unless it is listed in EXPECTED_EMPTY with the reason; the alert expressions
 must stay quiet on this healthy engine. The panels are rendered to PNG on the way
-(UPDATE_DASHBOARD_PNGS=1 also writes them to dashboards/png/ for the README).
+(UPDATE_DASHBOARD_PNGS=1 also writes them to docs/img/ for the docs site).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_variable_queries_list_the_engine(live):
 
 def test_render_pngs(results, live, tmp_path):
     _, start, end = live
-    out_dir = ROOT / "dashboards" / "png" if os.environ.get("UPDATE_DASHBOARD_PNGS") else tmp_path
+    out_dir = ROOT / "docs" / "img" if os.environ.get("UPDATE_DASHBOARD_PNGS") else tmp_path
     for name, dash in render.load_dashboards().items():
         out = render.render_dashboard(dash, results[name], out_dir / name.replace(".json", ".png"),
                                       start, end)

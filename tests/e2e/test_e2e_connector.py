@@ -1,12 +1,15 @@
 """End to end in real vLLM: engine A fills the store and exits; fresh engines B (1 and 4
 receive threads) get their prefixes from the store and produce exactly the outputs of an engine
-without the connector. A load that fails in the engine is recomputed with correct output.
+without the connector. A load that fails in the engine is recomputed with correct output, and
+the exact comparison tells a wrong block (another prompt's) from the right one.
 """
 
 from __future__ import annotations
 
+import random
+
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
-from tests.conftest import corrupt_stored_block, engine_extra
+from tests.conftest import corrupt_stored_block, engine_extra, stored_block_keys
 
 
 def serve_from_store(server: VllmServer, prompts: list[list[int]]) -> tuple[list, dict, dict]:
@@ -61,6 +64,29 @@ def test_failed_load_in_engine_is_recomputed(pooled_server, store_client, filled
     assert metric_sum(delta, "vllm:mooncake_pool_failures_total", op="load", code="-600") == 1
     assert metric_sum(delta, "vllm:mooncake_pool_load_error_blocks_total") == 1
     assert metric_sum(delta, "vllm:mooncake_pool_load_jobs_total", status="error") == 1
+
+
+def test_exactness_check_catches_another_prompts_block(pooled_server, store_client,
+                                                       filled_store):
+    """What every output comparison here relies on: it fails on a wrong block. Prompt Y's
+    last full block in the store is overwritten with prompt X's block at the same position
+    (same size and layout, so the load succeeds and nothing in the connector can notice);
+    served from the store, Y's output differs from Y computed, while X, loaded honestly in the
+    same pass, matches X computed."""
+    rng = random.Random(20)
+    x, y = ([rng.randrange(3, 1000) for _ in range(6 * BLOCK_SIZE + 5)] for _ in range(2))
+    truth = [pooled_server.complete(p) for p in (x, y)]  # computed, blocks saved
+    keys_x, keys_y = (stored_block_keys(pooled_server, store_client, filled_store, p)
+                      for p in (x, y))
+    assert store_client.upsert(keys_y[-1], store_client.get(keys_x[-1])) == 0
+    try:
+        outputs, delta, after = serve_from_store(pooled_server, [x, y])
+    finally:
+        store_client.remove(keys_y[-1], True)  # no wrong block stays behind
+    check_loaded_from_store(delta, after, 4)
+    assert metric_sum(delta, "vllm:external_prefix_cache_hits_total") >= 2 * 6 * BLOCK_SIZE
+    assert outputs[0] == truth[0], "X, loaded from the store untouched, changed its output"
+    assert outputs[1] != truth[1], "Y loaded X's block and the comparison did not notice"
 
 
 def test_disable_log_stats_serves_from_store(tiny_model, master, filled_store, prompts,

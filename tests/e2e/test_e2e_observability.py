@@ -22,6 +22,7 @@ from connector.metric_catalog import FAMILIES, KNOWN_FAILURES, LOOKUP_RESULTS, P
 from dashboards.local_prometheus import LocalPrometheus
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import POOLED_SERVICE, corrupt_stored_block, engine_extra
+from tests.helm_kit import engine_scrape_path
 
 QUIET_SERVICE = "always-off-engine"
 
@@ -76,7 +77,7 @@ def test_every_family_has_samples(burst):
     # Counters of trouble a healthy engine never meets (a hung store call, a tuner error):
     # exported at 0 from startup; the fault tests (test_deadlines) see them move.
     zero_when_healthy = {"threads_replaced", "autotune_errors", "master_failovers",
-                         "master_down_seconds"}
+                         "master_down_seconds", "master_probe_errors"}
     for fam in FAMILIES:
         got = samples_of(after, fam)
         assert got, f"{fam.exported} missing from /metrics"
@@ -174,21 +175,23 @@ def test_always_on_traces_every_load_job_of_the_burst(burst, otlp_collector):
 
 def test_exemplars_link_histograms_to_exported_traces(burst, pooled_server, otlp_collector,
                                                       tmp_path):
-    """vLLM's `/metrics/` mount serves OpenMetrics with exemplars; a real Prometheus with
-    exemplar storage keeps them, and their trace ids are traces the collector received."""
+    """The path the Helm chart's engine monitors scrape (vLLM's `/metrics/` mount) serves
+    OpenMetrics with exemplars; a real Prometheus with exemplar storage, scraping that path,
+    keeps them, and their trace ids are traces the collector received."""
     _, _, _, window = burst
-    req = urllib.request.Request(pooled_server.url + "/metrics/", headers={
+    path = engine_scrape_path(tmp_path)  # from `helm template`: ServiceMonitor and PodMonitor
+    req = urllib.request.Request(pooled_server.url + path, headers={
         "Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.headers["Content-Type"].startswith("application/openmetrics-text")
         text = r.read().decode()
     assert re.search(r'pool_load_job_seconds_bucket\{.*\} [0-9.e+-]+ # \{span_id="[0-9a-f]{16}",'
-                     r'trace_id="[0-9a-f]{32}"\}', text), "no exemplar on /metrics/"
+                     r'trace_id="[0-9a-f]{32}"\}', text), f"no exemplar on {path}"
     with urllib.request.urlopen(pooled_server.url + "/metrics", timeout=10) as r:
         assert " # {" not in r.read().decode()  # the plain text format carries none
     host_port = pooled_server.url.removeprefix("http://")
     with LocalPrometheus({"vllm": [host_port]}, exemplars=True,
-                         metrics_paths={"vllm": "/metrics/"}, workdir=str(tmp_path)) as prom:
+                         metrics_paths={"vllm": path}, workdir=str(tmp_path)) as prom:
         prom.wait_for_targets()
         time.sleep(3)
         stored: dict[str, set[str]] = {}

@@ -1,30 +1,30 @@
-"""No request hangs on a frozen peer, and no stuck transfer writes into memory vLLM got back.
+"""No request hangs on a frozen peer, and no transfer touches memory vLLM got back.
 
 A frozen store node or master (SIGSTOP: TCP stays open, nothing answers) holds a Mooncake call
-for up to Mooncake's own timeout (30 s). Against a real master and store node of this module's
-own: loads past `load_timeout_s` are reported as load errors (vLLM recomputes) and their KV
-blocks stay untouched even after the stuck calls return; stuck threads are replaced with
-bounded, counted buffers; saves past `save_timeout_s` release their blocks and what they store
-late is removed; shutdown fails queued jobs fast; a stale save never strands a newer load.
+until Mooncake's own timeout. Against a real master and store node of this module's own:
+loads past `load_timeout_s` are reported as load errors (vLLM recomputes), attributed to the
+thread that ran them, and their KV blocks stay untouched even after the stuck calls return;
+stuck threads are replaced with bounded, counted buffers; a zero-copy get holds its blocks
+until its call returns, which `load_timeout_s` bounds by default; a save past `save_timeout_s`
+never hands back blocks its put may still read, and what it stores is the request's own KV;
+a save whose existence check hit an RPC failure makes no put; shutdown fails queued jobs fast.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
 
-import connector.worker as worker_mod
 from connector.metadata import BlockTransfer, StepMetadata
-from tests.worker_kit import hashes, kv_caches, run_step
+from devkit.processes import frozen
+from tests.worker_kit import hashes, kv_caches, run_step, wait_until
 
 TIMEOUT_S = 1.0
 STAGED = {"staging": "on", "staging_buffer_size": 2 * 16 * 1024}  # 2 blocks per call
+ZERO_COPY = {"staging": "off"}
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +38,6 @@ def cluster():
     master.stop()
 
 
-@contextmanager
-def frozen(proc):
-    os.killpg(proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(proc.pid, signal.SIGCONT)
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def stored(make_worker_on, master, prefix: str, n: int = 8):
     """A worker that saved n blocks of seed 5 (on the store node), and their hashes."""
     w = make_worker_on(master, caches=kv_caches(seed=5), prefix=prefix, **STAGED)
@@ -61,6 +45,10 @@ def stored(make_worker_on, master, prefix: str, n: int = 8):
     run_step(w, StepMetadata(saves=(BlockTransfer("seed", tuple(range(n)), hs),),
                              free_after_jobs=("seed",)))
     return hs
+
+
+def counters(w) -> dict:
+    return w.recorder.snapshot().data["c"]
 
 
 @pytest.mark.parametrize("which", ["node", "master"])
@@ -77,20 +65,26 @@ def test_loads_past_deadline_are_recomputed_and_never_written(make_worker_on, cl
         t0 = time.monotonic()
         done, errors = run_step(w, StepMetadata(loads=loads), timeout=TIMEOUT_S + 10)
         took = time.monotonic() - t0
+        # Both running calls outlive their own bound while the peer stays frozen.
+        wait_until(lambda: w.pool.stuck == 2, 10, "the stuck calls were never noticed")
         g = w.recorder.current_gauges()
     assert done == {t.req_id for t in loads}
     assert errors == {b for t in loads for b in t.block_ids}  # all recomputed
     assert took < TIMEOUT_S + 3, f"burst took {took:.1f}s with load_timeout_s={TIMEOUT_S}"
     # Both running jobs' threads were stuck and replaced; never more than the pool size.
-    assert 1 <= g["threads_stuck|0|load"] <= w.pool.size
+    assert g["threads_stuck|0|load"] == w.pool.size
     assert g["staging_buffers|0"] <= 2 * w.pool.size
     # The stuck calls return after SIGCONT: their threads exit, their buffers are released,
     # and nothing they fetched lands in blocks that vLLM got back.
     wait_until(lambda: w.pool.stuck == 0, 40, "stuck threads never returned")
     wait_until(lambda: w.staging_buffers <= w.pool.size, 5, "staging buffers leaked")
     assert not any(t[:, 10:42].any() for t in dst.values()), "a stuck load wrote into the cache"
-    c = w.recorder.snapshot().data["c"]
-    assert c["failures|0|load|timeout"] >= 2 and c["threads_replaced|0|load"] >= 1, c
+    c = counters(w)
+    assert c["failures|0|load|timeout"] == 6 and c["threads_replaced|0|load"] == 2, c
+    # Each expired job is counted where it was: one running on each thread, four that no
+    # thread ever took (not all on thread 0).
+    assert (c["load_jobs|0|0|error"], c["load_jobs|0|1|error"],
+            c["load_jobs|0|queued|error"]) == (1, 1, 4), c
     # After the freeze the same loads hit again, byte-exact.
     done, errors = run_step(w, StepMetadata(loads=loads[:1]), timeout=30)
     assert done == {"r0"} and errors == set()
@@ -101,52 +95,127 @@ def test_loads_past_deadline_are_recomputed_and_never_written(make_worker_on, cl
 
 def test_zero_copy_load_holds_its_blocks_until_the_call_returns(make_worker_on, cluster):
     """Multi-buffer gets write straight into the KV blocks: such a job is never expired while
-    its call runs (Mooncake's transfer timeout bounds it), so no late write can land in
-    blocks vLLM reuses."""
+    its call runs, so no late write can land in blocks vLLM reuses; Mooncake's transfer
+    timeout (here 3 s, past the 1 s deadline) is what bounds it. One block (4 regions): the
+    TCP transport applies the timeout per group of slices, so more would take a multiple."""
     master, node = cluster
     hs = stored(make_worker_on, master, "zerocopy")
     dst = kv_caches(seed=None)
-    w = make_worker_on(master, threads=1, caches=dst, prefix="zerocopy", staging="off",
-                       load_timeout_s=TIMEOUT_S)
-    with frozen(node.proc):
-        w.start_load(StepMetadata(loads=(BlockTransfer("z", tuple(range(8)), hs),)))
-        time.sleep(TIMEOUT_S + 1)
-        assert w.get_finished() == (None, None)  # held: the call may still write
-    wait_until(lambda: w.ledger.idle(), 40, "the zero-copy load never finished")
-    assert w.get_finished()[1] == {"z"}
-
-
-def test_save_past_deadline_releases_blocks_and_removes_late_writes(make_worker_on, cluster):
-    master, node = cluster
-    w = make_worker_on(master, prefix="save-deadline", save_timeout_s=TIMEOUT_S, **STAGED)
-    hs = hashes("save-deadline", 4)
+    w = make_worker_on(master, threads=1, caches=dst, prefix="zerocopy", load_timeout_s=TIMEOUT_S,
+                       transfer_timeout=3, **ZERO_COPY)
     with frozen(node.proc):
         t0 = time.monotonic()
-        done, _ = run_step(w, StepMetadata(saves=(BlockTransfer("s", (0, 1, 2, 3), hs),),
-                                           free_after_jobs=("s",)), timeout=TIMEOUT_S + 10)
-        assert done == {"s"} and time.monotonic() - t0 < TIMEOUT_S + 3
-        assert w.recorder.current_gauges()["threads_stuck|0|save"] == 1
-        # The next save runs on the replacement thread while the stuck one waits.
-    wait_until(lambda: w.save_pool.stuck == 0, 40, "the stuck save never returned")
-    c = w.recorder.snapshot().data["c"]
-    assert c["failures|0|save|timeout"] == 1 and c["threads_replaced|0|save"] == 1, c
-    assert all(e != 1 for e in w._connected().batch_is_exist(w._keys.keys(hs, 0)))
+        w.start_load(StepMetadata(loads=(BlockTransfer("z", (3,), hs[:1]),)))
+        # Past the deadline: the call outlived the bound (its thread is replaced), and the
+        # request is still held, since the call may still write.
+        wait_until(lambda: w.pool.replaced == 1, 10, "the stuck call was never noticed")
+        assert w.get_finished() == (None, None)
+        wait_until(lambda: w.ledger.idle(), 10, "the zero-copy load outlived its transfer timeout")
+        took = time.monotonic() - t0
+    assert w.get_finished()[1] == {"z"} and w.get_load_errors() == {3}
+    assert 2.5 < took < 3 + 3, f"held {took:.1f}s with transfer_timeout=3"
+    assert not any(t[:, 3].any() for t in dst.values())
 
 
-def test_old_save_does_not_strand_a_newer_load(make_worker_on, cluster, monkeypatch):
-    """A save outlives the preemption wait, the request resumes and its load finishes
-    first: the load must still be reported, or the request waits forever."""
+def test_zero_copy_load_deadline_defaults_to_load_timeout(make_worker_on, cluster):
+    """Without transfer_timeout a zero-copy get on a frozen node ran into Mooncake's 30 s; with
+    staging off it now defaults to load_timeout_s, so the request is recomputed about then."""
     master, node = cluster
-    monkeypatch.setattr(worker_mod, "PREEMPTION_WAIT_S", 0.5)
-    w = make_worker_on(master, prefix="strand")
+    hs = stored(make_worker_on, master, "zerocopy-default")
+    w = make_worker_on(master, threads=1, caches=kv_caches(seed=None), prefix="zerocopy-default",
+                       load_timeout_s=TIMEOUT_S, **ZERO_COPY)
+    with frozen(node.proc):
+        t0 = time.monotonic()
+        done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("z", (3,), hs[:1]),)),
+                                timeout=20)
+        took = time.monotonic() - t0
+    assert done == {"z"} and errors == {3}
+    assert took < TIMEOUT_S + 4, f"a zero-copy get took {took:.1f}s with load_timeout_s=1"
+
+
+@pytest.mark.parametrize("mode", ["zero_copy", "staged_two_calls"])
+def test_save_past_deadline_never_releases_blocks_its_put_reads(make_worker_on, cluster, mode):
+    """The put of a save is frozen past save_timeout_s. Its request's blocks must not go back
+    to vLLM (finished_sending) while the put may still read them: a zero-copy put reads them
+    for its whole call, a staged save from its first gather to its last (here 4 blocks in two
+    calls of 2, so the second gather comes after the first, frozen, put). When they do go
+    back, this test rewrites them, as vLLM would reuse them; the store must still hold the
+    request's own KV, byte-exact (not another request's, and not removed)."""
+    master, node = cluster
+    prefix = f"save-deadline-{mode}"
+    caches = kv_caches(seed=7)
+    original = {n: t[:, 0:4].clone() for n, t in caches.items()}
+    cfg = ZERO_COPY | {"transfer_timeout": 20} if mode == "zero_copy" else STAGED
+    w = make_worker_on(master, caches=caches, prefix=prefix, save_timeout_s=TIMEOUT_S, **cfg)
+    hs = hashes(prefix, 4)
+    reported: list[float] = []
+
+    def poll() -> None:
+        sending, _ = w.get_finished()
+        if sending and "s" in sending:
+            reported.append(time.monotonic())
+            for t in caches.values():  # vLLM reuses the blocks for another request
+                t[:, 0:4] = -1.0
+
+    with frozen(node.proc):
+        w.note_free_after(StepMetadata(free_after_jobs=("s",)))
+        w.start_save(StepMetadata(saves=(BlockTransfer("s", (0, 1, 2, 3), hs),)))
+        # The put outlives save_timeout_s (its thread is replaced for it): past the deadline.
+        t_deadline = time.monotonic() + TIMEOUT_S
+        while w.save_pool.replaced == 0 or time.monotonic() < t_deadline + 0.5:
+            poll()
+            assert time.monotonic() < t_deadline + 10, "the stuck put was never noticed"
+            time.sleep(0.01)
+        assert not reported, "blocks went back to vLLM while the put may still read them"
+    resumed = time.monotonic()
+    wait_until(lambda: poll() or reported, 30, "the request never finished after the freeze")
+    assert reported[0] >= resumed
+    wait_until(lambda: w.ledger.idle() and w.save_pool.stuck == 0, 30, "the put never returned")
+    dst = kv_caches(seed=None)
+    reader = make_worker_on(master, caches=dst, prefix=prefix, **STAGED)
+    done, errors = run_step(reader, StepMetadata(loads=(BlockTransfer("r", (20, 21, 22, 23),
+                                                                      hs),)))
+    assert done == {"r"} and errors == set(), "the late put's blocks are not in the store"
+    for name, want in original.items():
+        assert torch.equal(dst[name][:, 20:24], want), "the store holds rewritten blocks"
+
+
+def test_save_after_an_rpc_failure_makes_no_put(make_worker_on, cluster):
+    """The existence check of a save fails with an RPC timeout (master frozen): the breaker
+    opens and the save stops there. It must not go on to put (that would wait out another
+    RPC while the master is down), and it is counted once, as a save_exists failure."""
+    master, _ = cluster
+    w = make_worker_on(master, prefix="exists-rpc", transfer_timeout=2)  # RPCs: 2 s
+    hs = hashes("exists-rpc", 4)
+    with frozen(master.proc):
+        w.start_save(StepMetadata(saves=(BlockTransfer("s", (0, 1, 2, 3), hs),)))
+        wait_until(lambda: w._store.down_code, 20, "the existence check never failed")
+    # The master answers again at once: a put made now would succeed.
+    wait_until(lambda: w.ledger.idle() and w.save_pool.depth() == 0
+               and not w.save_pool.inflight[0], 20, "the save never ended")
+    c = counters(w)
+    assert c.get("save_keys|0", 0) == 0, c
+    failures = {k: v for k, v in c.items() if k.startswith("failures|")}
+    assert list(failures.values()) == [1], failures
+    assert next(iter(failures)) in ("failures|0|save_exists|-900",
+                                    "failures|0|save_exists|-901"), failures
+    wait_until(lambda: not w._store.down_code, 20, "the breaker never closed")
+    assert all(e == 0 for e in w._connected().batch_is_exist(w._keys.keys(hs, 0))), \
+        "the save put after the master failed"
+
+
+def test_old_save_does_not_strand_a_newer_load(make_worker_on, cluster):
+    """A request's save is stuck in its put while a load of the same request finishes: the
+    load must still be reported, or the request waits forever."""
+    master, node = cluster
+    w = make_worker_on(master, prefix="strand", transfer_timeout=20, **ZERO_COPY)
     with frozen(node.proc):  # the put hangs on the node; a lookup of absent keys does not
         w.start_save(StepMetadata(saves=(BlockTransfer("p", (0, 1), hashes("strand", 2)),)))
-        time.sleep(0.2)
-        w.wait_preempted(StepMetadata(preempted=("p",)))
-        assert w.ledger.in_flight("p")
+        wait_until(lambda: w.save_pool.inflight[0], 10, "the save never started")
         done, errors = run_step(w, StepMetadata(
             loads=(BlockTransfer("p", (5, 6), hashes("strand-absent", 2)),)), timeout=10)
         assert done == {"p"} and errors == {5, 6}
+        assert w.ledger.in_flight("p")  # the save still holds its blocks
     wait_until(lambda: w.ledger.idle(), 40, "the stuck save never returned")
 
 
@@ -157,7 +226,8 @@ def test_shutdown_fails_queued_jobs_fast_and_closes_after_calls(make_worker_on, 
     loads = tuple(BlockTransfer(f"q{i}", tuple(range(8)), hs) for i in range(10))
     with frozen(master.proc):
         w.start_load(StepMetadata(loads=loads))
-        time.sleep(0.3)  # one job inside its call, nine queued
+        wait_until(lambda: w.pool.inflight[0] and w.pool.depth() == 9, 10,
+                   "one job inside its call, nine queued")
         t0 = time.monotonic()
         w.shutdown()
         took = time.monotonic() - t0
@@ -171,22 +241,3 @@ def test_shutdown_fails_queued_jobs_fast_and_closes_after_calls(make_worker_on, 
     wait_until(lambda: not any(t.name == "mcpool-close" for t in
                                threading.enumerate()), 40,
                "the client never closed after the stuck call returned")
-
-
-def test_abandoned_save_cleanup_is_checked_and_retried(make_worker_on, cluster):
-    """A remove that keeps failing is retried, then logged and counted, never ignored.
-    (A real remove fails only if the master dies between a put's end and the remove, a
-    window too small to hit on purpose: this one client call is a stand-in.)"""
-    master, _ = cluster
-    w = make_worker_on(master, prefix="remove")
-
-    class Client:
-        calls = 0
-
-        def batch_remove(self, keys, force):
-            Client.calls += 1
-            return [0 if k == "a" else -900 for k in keys]
-
-    w._remove(Client(), ["a", "b"])
-    assert Client.calls == worker_mod.REMOVE_ATTEMPTS
-    assert w.recorder.snapshot().data["c"]["failures|0|save_remove|-900"] == 1

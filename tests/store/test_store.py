@@ -7,13 +7,34 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
+from bench.proxy import GARBAGE
 from connector.config import load_config
-from connector.store import ERROR_NAMES, StoreHandle, error_code_label, replicate_config
+from connector.store import (
+    ERROR_NAMES,
+    PROBE_KEY,
+    StoreHandle,
+    StoreUnavailable,
+    error_code_label,
+    replicate_config,
+)
+from devkit.ha_cluster import HaCluster
+from devkit.local_cluster import MooncakeMaster
+from tests.client_kit import CallRecorder
+from tests.conftest import ha_group
 
 
-def handle(master) -> StoreHandle:
-    cfg = load_config(master.store_config(), environ={})
-    return StoreHandle(cfg.store, 0, 16 * 2**20, "fail", 2.0, probe_s=0.05)
+def handle(master, mode: str = "fail", retry_s: float = 5.0, **fields) -> StoreHandle:
+    cfg = load_config(master.store_config(**fields), environ={})
+    return StoreHandle(cfg.store, 0, 16 * 2**20, mode, 2.0, retry_s=retry_s, probe_s=0.05)
+
+
+def wait_until(pred, timeout: float, why: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.02)
 
 
 def test_error_labels_are_bounded():
@@ -51,3 +72,176 @@ def test_close_waits_for_calls_in_flight(master):
     while any(t.name == "mcpool-close" for t in threading.enumerate()):
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+# ---- the breaker under faults: a stale failure, a probe call at close, degrade-mode races ----
+def test_stale_rpc_failure_does_not_reopen_a_closed_breaker(master, monkeypatch):
+    """A call sent into a black hole (a proxy that drops its bytes: no retransmission) is in
+    flight through an outage; the probe closes the breaker; then the call returns its -901.
+    That failure predates the recovery: the breaker stays closed."""
+    from bench.proxy import DelayProxy
+
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "3000")
+    proxy = DelayProxy(master.address, rtt_ms=0.0).start()
+    h = None
+    try:
+        h = handle(master, master_server_address=proxy.address)
+        proxy.set_mode("drop")
+        got: list[int] = []
+
+        def old_call() -> None:
+            client = h.require()
+            got.extend(client.batch_is_exist([PROBE_KEY]))
+            h.check(got)
+
+        caller = threading.Thread(target=old_call)
+        caller.start()
+        time.sleep(0.3)  # its request is gone
+        h.trip(-901)  # another call failed meanwhile: the outage
+        proxy.set_mode("forward")
+        wait_until(lambda: h.ready() is not None, 10, "the probe never closed the breaker")
+        assert caller.is_alive(), "the old call returned before the recovery: nothing tested"
+        caller.join(30)
+        assert got == [-901], got  # it failed, after the breaker closed
+        assert h.ready() is not None and h.down_code == "", "a stale -901 reopened the breaker"
+    finally:
+        if h is not None:
+            h.close()
+        proxy.stop()
+
+
+def test_close_never_frees_the_client_under_a_probe_call(master, monkeypatch):
+    """close() while the probe's store call hangs (its request dropped): the client is closed
+    only once that call has returned."""
+    from bench.proxy import DelayProxy
+
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "2000")
+    proxy = DelayProxy(master.address, rtt_ms=0.0).start()
+    try:
+        h = handle(master, master_server_address=proxy.address)
+        client = h.client = CallRecorder(h.client)
+        proxy.set_mode("drop")
+        h.trip(-901)
+        wait_until(lambda: client.in_flight == 1, 10, "the probe made no store call")
+        h.close()
+        assert client.wait_closed(30) == 0, "the client was closed under the probe's call"
+    finally:
+        proxy.stop()
+
+
+def test_reconnect_during_close_leaves_no_client(master):
+    """degrade mode: close() runs while a reconnect is setting up its new client (here: while
+    an on_connect callback registers buffers). The new client is not installed after close:
+    close() waits for it and closes it."""
+    late = MooncakeMaster()  # not started yet: the handle starts in degrade mode
+    try:
+        h = handle(late, mode="degrade", retry_s=0.1)
+        assert h.client is None
+        registering, release = threading.Event(), threading.Event()
+        h.on_connect(lambda c: (registering.set(), release.wait(30)))
+        late.start()
+        assert registering.wait(30), "the handle never reconnected"
+        closer = threading.Thread(target=h.close)
+        closer.start()
+        time.sleep(0.2)  # close() runs while the callback still holds up the reconnect
+        release.set()
+        closer.join(30)
+        wait_until(lambda: not any(t.name == "mcpool-reconnect" for t in threading.enumerate()),
+                   10, "the reconnect thread never ended")
+        assert h.client is None, "a reconnect installed a client after close()"
+    finally:
+        late.stop()
+
+
+class _HookAfterLast(list):
+    """A callback list that runs `hook` when an iteration has passed the last callback: the
+    moment between the reconnect's callbacks and its installing the client."""
+
+    def __init__(self, hook) -> None:
+        super().__init__()
+        self.hook = hook
+
+    def __iter__(self):
+        yield from list.__iter__(self)
+        self.hook()
+
+
+def test_on_connect_never_misses_a_reconnect():
+    """degrade mode: on_connect is called just as a reconnect has run the callbacks it knew
+    but not yet installed the client. The new callback still runs, exactly once."""
+    late = MooncakeMaster()
+    try:
+        h = handle(late, mode="degrade", retry_s=0.1)
+        got: list = []
+        racer: list[threading.Thread] = []
+
+        def register_now() -> None:  # on the reconnect thread, between callbacks and install
+            if not racer:
+                racer.append(threading.Thread(target=h.on_connect, args=(got.append,)))
+                racer[0].start()
+                racer[0].join(0.5)  # returns at once unless on_connect waits for the install
+
+        h._callbacks = _HookAfterLast(register_now)
+        late.start()
+        wait_until(lambda: h.client is not None, 30, "the handle never reconnected")
+        racer[0].join(10)
+        assert got == [h.client], "on_connect missed the reconnect: buffers never registered"
+        h.close()
+    finally:
+        late.stop()
+
+
+# ---- a real HA group behind a proxy that can make etcd answer garbage ------------------------
+def ha_config(cluster: HaCluster, proxy):
+    """The group's connector config, with etcd read through the proxy."""
+    address = f"etcd://{proxy.address}"
+    return load_config(cluster.store_config(master_server_address=address,
+                                            metadata_server=address), environ={}).store
+
+
+@pytest.fixture(scope="module")
+def ha_etcd_proxy(ha_etcd):
+    """(group, the session's proxy in front of its etcd, a handle reading through it, its
+    probe errors). One handle for the module: closing an HA client takes Mooncake tens of
+    seconds."""
+    cluster = ha_group(ha_etcd, "garbage", segment_size="64MB").start()
+    proxy = ha_etcd[1]
+    errors: list[float] = []
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in cluster.env.items():
+            env.setenv(k, v)
+        h = StoreHandle(ha_config(cluster, proxy), 0, 16 * 2**20, "fail", 2.0, probe_s=0.05,
+                        on_probe_error=lambda: errors.append(time.monotonic()))
+        yield cluster, proxy, h, errors
+        h.close()
+    cluster.stop()
+
+
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_probe_survives_etcd_answering_garbage(ha_etcd_proxy, kind):
+    """While the breaker is open, etcd's gateway answers garbage (no HTTP status line, a body
+    cut short, JSON of another shape, a leader that is not host:port): each probe round
+    fails, is counted, and the probe goes on; once etcd answers again the breaker closes."""
+    _, proxy, h, errors = ha_etcd_proxy
+    counted = len(errors)
+    try:
+        proxy.set_mode(f"garbage:{kind}")
+        h.trip(-900)
+        wait_until(lambda: len(errors) >= counted + 3, 30, "the probe counted no error")
+        assert h.ready() is None
+        proxy.set_mode("forward")
+        wait_until(lambda: h.ready() is not None, 30,
+                   "the breaker never closed: the probe died on etcd's garbage")
+    finally:
+        proxy.set_mode("forward")
+
+
+def test_startup_with_etcd_answering_garbage_names_the_field(ha_etcd_proxy):
+    cluster, proxy, _, _ = ha_etcd_proxy
+    proxy.set_mode("garbage:status")
+    try:
+        with pytest.raises(StoreUnavailable, match=r"^master_server_address: etcd \S+ "
+                                                   r"answered a read of the master view"):
+            StoreHandle(ha_config(cluster, proxy), 0, 16 * 2**20, "fail", 2.0)
+    finally:
+        proxy.set_mode("forward")

@@ -1,15 +1,21 @@
 """The worker's load and save paths against a real Mooncake master and store, without vLLM's
-engine: real KV-shaped tensors on CPU, real store calls, real failures (-704, -600, a job whose
-preparation raises).
+engine: real KV-shaped tensors on CPU, real store calls, real failures (-704, -600, a short
+read, a job whose preparation raises), and preemptions while a store node of this module's
+own is frozen (SIGSTOP) under a save.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
+import connector.recv_pool as recv_pool
 from connector.metadata import BlockTransfer, StepMetadata
-from tests.worker_kit import hashes, kv_caches, run_step
+from devkit.processes import freeze, frozen, thaw
+from tests.worker_kit import hashes, kv_caches, run_step, wait_until
 
 
 @pytest.fixture
@@ -51,7 +57,7 @@ def test_burst_spreads_over_all_threads(make_worker):
     save(w, "seed", range(32), hs)
     loads = tuple(BlockTransfer(f"r{i}", tuple(range(32)), hs) for i in range(48))
     done, errors = run_step(w, StepMetadata(loads=loads))
-    assert errors == set() and len(done) == 48
+    assert errors == set() and len(done) == 48, w.recorder.snapshot().data["c"]
     assert all(n > 0 for n in w.pool.jobs_done), w.pool.jobs_done
     stats = w.recorder.snapshot().data
     for t in range(4):
@@ -119,13 +125,46 @@ def test_saves_skip_keys_already_stored(make_worker):
     assert c["save_skipped_keys|0"] == 3 and c["save_keys|0"] == 2
 
 
-def test_preemption_waits_for_inflight_saves(make_worker):
-    w = make_worker(prefix="preempt")
-    hs = hashes("preempt", 48)
-    meta = StepMetadata(saves=(BlockTransfer("p", tuple(range(48)), hs),))
-    w.start_save(meta)
-    w.wait_preempted(StepMetadata(preempted=("p",)))
-    assert w.ledger.idle()  # the save finished before the blocks could be reused
+def test_short_read_is_labelled_as_such(make_worker):
+    """A stored object smaller than a block (written by a layout with half the heads, forced
+    under the same keys) arrives short: its blocks are load errors, counted as short_read, not
+    as Mooncake's -600 (INVALID_PARAMS), which means something else."""
+    small = make_worker(heads=1, prefix="short")
+    big = make_worker(heads=2, prefix="short", **STAGED_2)
+    small._keys = big._keys
+    hs = hashes("short", 2)
+    save(small, "seed", range(2), hs)
+    before = {n: t.clone() for n, t in big._kv_caches.items()}
+    done, errors = run_step(big, StepMetadata(loads=(BlockTransfer("r", (10, 11), hs),)))
+    assert done == {"r"} and errors == {10, 11}
+    c = big.recorder.snapshot().data["c"]
+    assert c["failures|0|load|short_read"] == 1 and "failures|0|load|-600" not in c, c
+    for n, t in big._kv_caches.items():
+        assert torch.equal(t[:, 10:12], before[n][:, 10:12])  # nothing short copied in
+
+
+def test_a_failed_existence_check_is_no_failure_when_the_put_succeeds(make_worker):
+    """The existence check answers an error other than an RPC failure for some keys: they
+    count as absent and are put; when the put succeeds the save did not fail. (The store never
+    answers such an error on purpose; only that one call is a stand-in, the put is real.)"""
+    w = make_worker(prefix="exists-error")
+    real = w._store.client
+
+    class Client:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_is_exist(self, keys):
+            return [-1] + real.batch_is_exist(keys[1:])
+
+    w._store.client = Client()
+    try:
+        hs = hashes("exists-error", 3)
+        save(w, "s", range(3), hs)
+    finally:
+        w._store.client = real
+    c = w.recorder.snapshot().data["c"]
+    assert c["save_keys|0"] == 3 and not any(k.startswith("failures|") for k in c), c
 
 
 @pytest.fixture(scope="module")
@@ -141,43 +180,114 @@ def own_cluster():
     master.stop()
 
 
-@pytest.mark.parametrize("frozen", ["node", "master"])
-def test_save_stuck_past_preemption_wait_is_abandoned(make_worker_on, own_cluster, monkeypatch,
-                                                      frozen):
-    """The engine cannot wait forever for a preempted request's save: past the wait it reuses
-    the blocks, so the save may read another request's KV. Stuck in its put (store node
-    frozen), the save removes what it stored once the put returns; stuck before it (master
-    frozen in the exists check), it never puts. Either way no key is left holding it."""
-    import os
-    import signal
-    import time
+def in_put(w) -> bool:
+    """A save is inside its zero-copy put (past its existence check)."""
+    return any(t.state == recv_pool.TOUCHING for t in list(w.save_pool._current.values()))
 
-    import connector.worker as worker_mod
 
+# Zero-copy saves, as on GPUs: the put reads the KV blocks for its whole call. Mooncake's
+# transfer timeout is set well past what the tests wait, so a frozen put returns only once
+# the node is resumed, and then succeeds.
+SAVE_TIMEOUT_S = 3.0
+ZERO_COPY_SAVES = {"staging": "off", "transfer_timeout": 30, "save_timeout_s": SAVE_TIMEOUT_S}
+
+
+def test_preemption_waits_for_a_put_reading_its_blocks_and_no_longer(make_worker_on,
+                                                                     own_cluster):
+    """A preempted request's save is inside its put (store node frozen) past save_timeout_s:
+    handle_preemptions returns only once the put has returned (the node resumes 4 s in, after
+    the save's deadline), never while it may still read the blocks. The blocks are then
+    rewritten, as vLLM reuses them; the store holds the request's own KV."""
     master, node = own_cluster
-    monkeypatch.setattr(worker_mod, "PREEMPTION_WAIT_S", 0.5)
-    w = make_worker_on(master, prefix=f"abandon-{frozen}")
-    hs = hashes(f"abandon-{frozen}", 4)
-    pid = (node if frozen == "node" else master).proc.pid
-    w.recorder.snapshot()
-    os.kill(pid, signal.SIGSTOP)
+    caches = kv_caches(seed=11)
+    original = {n: t[:, 0:4].clone() for n, t in caches.items()}
+    w = make_worker_on(master, caches=caches, prefix="preempt-reading", **ZERO_COPY_SAVES)
+    hs = hashes("preempt-reading", 4)
+    freeze(node.proc)
+    resumed: list[float] = []
+
+    def resume() -> None:
+        thaw(node.proc)
+        resumed.append(time.monotonic())
+
+    timer = threading.Timer(SAVE_TIMEOUT_S + 1.0, resume)
     try:
         w.start_save(StepMetadata(saves=(BlockTransfer("p", (0, 1, 2, 3), hs),)))
-        time.sleep(0.2)
+        wait_until(lambda: in_put(w), 10, "the save never reached its put")
+        timer.start()
         t0 = time.monotonic()
         w.wait_preempted(StepMetadata(preempted=("p",)))
-        assert time.monotonic() - t0 < 5 and w.ledger.in_flight("p")  # gave up; still stuck
+        returned = time.monotonic()
     finally:
-        os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + 60
-    while not w.ledger.idle():
-        assert time.monotonic() < deadline, "the save never returned"
-        time.sleep(0.05)
+        timer.cancel()
+        thaw(node.proc)
+    for t in caches.values():  # the blocks go to another request
+        t[:, 0:4] = -1.0
+    assert resumed and returned >= resumed[0], "handle_preemptions returned before the put did"
+    assert returned - t0 < SAVE_TIMEOUT_S + 1.0 + 10, "the preemption outwaited the put"
+    assert not w.ledger.in_flight("p")
+    wait_until(lambda: w.save_pool.idle, 30, "the put's thread never returned")
+    dst = kv_caches(seed=None)
+    reader = make_worker_on(master, caches=dst, prefix="preempt-reading", **STAGED_2)
+    done, errors = run_step(reader, StepMetadata(loads=(BlockTransfer("r", (20, 21, 22, 23),
+                                                                      hs),)))
+    assert done == {"r"} and errors == set()
+    for name, want in original.items():
+        assert torch.equal(dst[name][:, 20:24], want)
+
+
+def test_preemption_drops_a_queued_save_at_once(make_worker_on, own_cluster):
+    """The save thread is stuck in another request's put (store node frozen). A preempted
+    request whose save is only queued behind it must not stall the engine step: its save is
+    dropped at once (it never reads the blocks) and counted as abandoned."""
+    master, node = own_cluster
+    w = make_worker_on(master, prefix="preempt-queued", **ZERO_COPY_SAVES)
+    hs = hashes("preempt-queued", 8)
+    w.recorder.snapshot()
+    with frozen(node.proc):
+        w.start_save(StepMetadata(saves=(BlockTransfer("a", (0, 1, 2, 3), hs[:4]),)))
+        wait_until(lambda: in_put(w), 10, "the first save never reached its put")
+        w.start_save(StepMetadata(saves=(BlockTransfer("b", (8, 9, 10, 11), hs[4:]),)))
+        assert w.save_pool.depth() == 1
+        t0 = time.monotonic()
+        w.wait_preempted(StepMetadata(preempted=("b",)))
+        took = time.monotonic() - t0
+        assert took < 0.5, f"a preemption waited {took:.2f}s for a save that was only queued"
+        assert not w.ledger.in_flight("b") and w.ledger.in_flight("a")
+    wait_until(lambda: w.save_pool.idle, 30, "the stuck put never returned")
     c = w.recorder.snapshot().data["c"]
-    assert c.get("failures|0|save|abandoned") == 1, c
-    assert c.get("save_keys|0", 0) == 0
-    assert all(e != 1 for e in w._connected().batch_is_exist(w._keys.keys(hs, 0)))
-    assert not w.ledger.is_abandoned("p")  # forgotten once its last job ended
+    assert c.get("failures|0|save|abandoned") == 1 and c.get("save_keys|0") == 4, c
+    exist = w._connected().batch_is_exist(w._keys.keys(hs, 0))
+    assert exist == [1] * 4 + [0] * 4, exist  # "a" stored, "b" never put
+
+
+def test_finished_request_is_not_held_by_a_save_queued_behind_a_stuck_one(make_worker_on,
+                                                                         own_cluster):
+    """Saves hang (store node frozen: a put has outlived save_timeout_s). A request that
+    finishes with its save still queued gets its blocks back at the next poll, not when that
+    save would expire: while saves hang, queued saves of finished requests are dropped."""
+    master, node = own_cluster
+    w = make_worker_on(master, prefix="finished-queued", **ZERO_COPY_SAVES)
+    hs = hashes("finished-queued", 12)
+    with frozen(node.proc):
+        w.start_save(StepMetadata(saves=(BlockTransfer("a", (0, 1), hs[:2]),)))
+        wait_until(lambda: w.save_pool.replaced == 1, SAVE_TIMEOUT_S + 10,
+                   "the stuck put was never noticed")
+        w.start_save(StepMetadata(saves=(BlockTransfer("b", (4, 5), hs[4:6]),)))
+        wait_until(lambda: w.save_pool.depth() == 0, 10, "the replacement thread took no save")
+        w.start_save(StepMetadata(saves=(BlockTransfer("c", (8, 9), hs[8:10]),)))
+        t0 = time.monotonic()
+        w.note_free_after(StepMetadata(free_after_jobs=("c",)))
+        sending = None
+        while not sending:
+            sending, _ = w.get_finished()
+            assert time.monotonic() - t0 < 1.0, "a finished request waited for its queued save"
+            time.sleep(0.01)
+        assert sending == {"c"}
+    wait_until(lambda: w.save_pool.idle and w.save_pool.stuck == 0, 30,
+               "the stuck puts never returned")
+    exist = w._connected().batch_is_exist(w._keys.keys(hs, 0))
+    assert exist[8:10] == [0, 0], exist  # the dropped save never ran
 
 
 def test_long_request_split_across_threads(make_worker):

@@ -1,8 +1,9 @@
-"""Every benchmark number in README.md and docs/benchmark.md matches the committed JSON.
+"""Every measured number in README.md and the docs site matches the committed JSON.
 
 The numbers live in `<!-- bench:NAME -->` passages that `bench.claims` renders from
 docs/*.json; these tests re-render them and compare, and check that no measurement-looking
-number sits outside a passage in the benchmark parts of the two files. Fast: no engine, no store.
+number sits outside a passage in the pages the benchmark owns (performance, the full benchmark,
+the quick start's demo). Fast: no engine, no store.
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ MEASURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?(?:x|%|ms|us
 # Numbers outside passages that are settings or design constants, not measurements.
 SETTINGS = {"0 ms", "5 ms", "10 ms",  # master RTTs the runs were set to
             "15 %", "16 s"}  # auto-tuner constants (connector/autotune.py)
-README_PASSAGES = {"readme-demo", "readme-tracing", "readme-headlines", "readme-serve"}
-DOCS_PASSAGES = {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
-                 "docs-serve"}
-LAYOUTS_PASSAGES = {"layouts-table"}
+# Where each passage is quoted (the readme-* names are where they were first quoted).
+PASSAGES = {
+    "docs/quickstart.md": {"readme-demo"},
+    "docs/observability.md": {"readme-tracing"},
+    "docs/performance.md": {"readme-headlines", "readme-serve"},
+    "docs/benchmark.md": {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
+                          "docs-serve"},
+    "docs/reliability.md": {"frozen-get"},
+    "docs/reliability-failover.md": {"failover-timeline", "failover-serve"},
+    "docs/layouts.md": {"layouts-table"},
+}
+ALL_PASSAGES = set().union(*PASSAGES.values())
+# Settings the failover page quotes outside passages (the probe's intervals), not measurements.
+FAILOVER_SETTINGS = {"0.5 s", "0.1 s"}
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +52,15 @@ def test_every_passage_matches_the_json(path, runs):
 
 
 def test_the_passages_are_all_there():
-    readme = {n for n, _ in claims.blocks(claims.FILES[0].read_text())}
-    docs = {n for n, _ in claims.blocks(claims.FILES[1].read_text())}
-    assert readme == README_PASSAGES and docs == DOCS_PASSAGES
-    layouts = {n for n, _ in claims.blocks(claims.FILES[2].read_text())}
-    assert layouts == LAYOUTS_PASSAGES
+    found = {str(p.relative_to(claims.REPO)): [n for n, _ in claims.blocks(p.read_text())]
+             for p in claims.FILES}
+    assert {p: set(n) for p, n in found.items() if n} == PASSAGES
+    names = [n for ns in found.values() for n in ns]
+    assert sorted(names) == sorted(ALL_PASSAGES) == sorted(claims.RENDERERS), \
+        "each renderer quoted exactly once"
 
 
-@pytest.mark.parametrize("name", sorted(README_PASSAGES | DOCS_PASSAGES | LAYOUTS_PASSAGES))
+@pytest.mark.parametrize("name", sorted(ALL_PASSAGES))
 def test_an_edited_number_is_caught(name, runs):
     """The comparison has teeth: changing any digit of a passage makes it differ."""
     body = claims.RENDERERS[name](runs)
@@ -61,13 +73,14 @@ def test_an_edited_number_is_caught(name, runs):
 
 
 def _bench_parts() -> dict[str, str]:
-    """The text this benchmark owns: all of docs/benchmark.md, the README's demo and bench
-    sections (other README sections quote test bounds and settings, not runs)."""
-    readme = claims.FILES[0].read_text()
-    demo = readme[readme.index("## Two commands"):readme.index("## Using it with vLLM")]
-    bench = readme[readme.index("- `bench/`:"):readme.index("## Development")]
-    return {"README.md (demo)": demo, "README.md (bench)": bench,
-            "docs/benchmark.md": claims.FILES[1].read_text()}
+    """The text this benchmark owns: the performance and full benchmark pages, the quick
+    start's demo section (other pages quote test bounds and settings, not runs)."""
+    docs = claims.DOCS
+    quick = (docs / "quickstart.md").read_text()
+    demo = quick[quick.index("## Two commands"):quick.index("## Turn it on for an engine")]
+    return {"docs/quickstart.md (demo)": demo,
+            "docs/performance.md": (docs / "performance.md").read_text(),
+            "docs/benchmark.md": (docs / "benchmark.md").read_text()}
 
 
 @pytest.mark.parametrize("where", list(_bench_parts()))
@@ -75,6 +88,13 @@ def test_no_measurement_outside_a_passage(where):
     text = FENCE.sub("", claims.BLOCK.sub("", _bench_parts()[where]))
     loose = [m.group() for m in MEASURE.finditer(text) if m.group() not in SETTINGS]
     assert not loose, f"{where}: numbers outside <!-- bench:... --> passages: {loose}"
+
+
+def test_no_measurement_outside_a_passage_on_the_failover_page():
+    text = FENCE.sub("", claims.BLOCK.sub("", (claims.DOCS / "reliability-failover.md")
+                                          .read_text()))
+    loose = [m.group() for m in MEASURE.finditer(text) if m.group() not in FAILOVER_SETTINGS]
+    assert not loose, f"docs/reliability-failover.md: numbers outside passages: {loose}"
 
 
 def test_unknown_passage_is_an_error(runs):

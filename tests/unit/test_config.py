@@ -178,26 +178,37 @@ def test_unknown_key_in_config_file(tmp_path):
     assert "protocl" in error_for(environ={"MOONCAKE_CONFIG_PATH": str(path)})
 
 
-def test_readme_key_table_and_quoted_error_match_the_catalogue():
-    """The README table is generated from KEYS, and the error it quotes is the real one."""
+def test_docs_key_table_and_quoted_error_match_the_catalogue():
+    """The configuration page's table is generated from KEYS, and the error it quotes is the
+    real one; so is the observability page's metric table from the metric catalogue."""
     import re
     from pathlib import Path
 
-    from connector.config import HELM_SCHEMA, helm_extra_config, sync_helm_schema, sync_readme
+    from connector import metric_catalog
+    from connector.config import (
+        CONFIG_PAGE,
+        HELM_SCHEMA,
+        helm_extra_config,
+        sync_docs,
+        sync_helm_schema,
+    )
 
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    assert sync_readme(str(readme), check=True), "run: python -m connector.config"
-    assert sync_helm_schema(str(readme.parent / HELM_SCHEMA), check=True), \
+    root = Path(__file__).resolve().parents[2]
+    page = root / CONFIG_PAGE
+    assert sync_docs(str(page), check=True), "run: python -m connector.config"
+    assert metric_catalog.sync_docs(str(root / metric_catalog.METRICS_PAGE), check=True), \
+        "run: python -m connector.metric_catalog"
+    assert sync_helm_schema(str(root / HELM_SCHEMA), check=True), \
         "the chart's extraConfig schema drifted from KEYS: run python -m connector.config"
-    helm_row = next(line for line in (readme.parent / "helm" / "README.md").read_text()
+    helm_row = next(line for line in (root / "docs" / "helm.md").read_text()
                     .splitlines() if line.startswith("| `extraConfig` |"))
     assert set(re.findall(r"`([a-z_]+)`", helm_row.split("|")[3])) == \
         set(helm_extra_config()) | {"kv_connector_extra_config", "auto", "on", "off", "fail",
                                     "degrade"}
-    values = (readme.parent / "helm" / "mooncake-pooled-connector" / "values.yaml").read_text()
+    values = (root / "helm" / "mooncake-pooled-connector" / "values.yaml").read_text()
     assert "(VLLM_MOONCAKE_LOAD_RECV_THREADS), 1..64,\n  # or auto" in values
     quoted = re.search(r"`(kv_connector_extra_config\.load_threads: must be[^`]*)`",
-                       readme.read_text()).group(1)
+                       page.read_text()).group(1)
     assert error_for({"load_threads": 0}) == quoted
 
 
@@ -215,13 +226,14 @@ def test_dataclass_defaults_come_from_the_catalogue():
     assert all(BY_NAME[n].default == d for n, d in declared.items())
 
 
-def test_readme_module_table_lists_every_module():
+def test_docs_module_table_lists_every_module():
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    listed = set(re.findall(r"`([a-z_]+\.py)`", (root / "README.md").read_text()
-                            .split("| module | job |")[1].split("Contracts")[0]))
+    page = (root / "docs" / "development.md").read_text()
+    table = page.split("| module | job |")[1].split("\n\n")[0]
+    listed = set(re.findall(r"`([a-z_]+\.py)`", table))
     modules = {p.name for p in (root / "connector").glob("*.py")} - {"__init__.py"}
     assert listed == modules
 

@@ -40,12 +40,12 @@ def test_free_waits_for_every_job():
     assert led.take_finished() == ({"s"}, {"s"})
 
 
-def test_preemption_wait_returns_when_saves_end_or_marks_them_abandoned():
+def test_preemption_wait_returns_when_saves_end_or_says_which_are_busy():
     led = RequestLedger()
     led.add_saves(["a", "b"])
     threading.Timer(0.1, led.finish_save, args=("a",)).start()
     t0 = time.monotonic()
     assert led.wait_idle(("a",), 5.0) == set() and time.monotonic() - t0 < 2
-    assert led.wait_idle(("b",), 0.1) == {"b"} and led.is_abandoned("b")
+    assert led.wait_idle(("b",), 0.1) == {"b"}
     led.finish_save("b")
-    assert not led.is_abandoned("b")  # forgotten with its last save
+    assert led.wait_idle(("b",), 0.1) == set()

@@ -1,12 +1,14 @@
 """The job pool on its own (no store): one shared queue, deadlines, stuck threads replaced
-within a bound, writes that the watchdog never interrupts, parking, and a shutdown that fails
-queued jobs at once."""
+within a bound, memory accesses that nothing interrupts, drops, parking, and a shutdown that
+fails queued jobs at once. Timing is awaited as conditions; the few waits on the clock itself
+are relative to a job's own deadline, which is what they test."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import connector.recv_pool as recv_pool
 from connector.recv_pool import RecvPool
 
 
@@ -21,12 +23,14 @@ class Recorder:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.done: list = []
-        self.expired: list = []
+        self.expired: list = []  # (job, reason)
+        self.slots: dict = {}  # job -> the slot it was reported with
         self.retired = 0
 
-    def expire(self, job, reason) -> None:
+    def expire(self, job, reason, slot) -> None:
         with self.lock:
             self.expired.append((job, reason))
+            self.slots[job] = slot
 
     def retire(self) -> None:
         with self.lock:
@@ -44,8 +48,8 @@ def test_a_job_stuck_past_its_deadline_is_reported_and_its_thread_replaced():
 
     pool = RecvPool(1, handler, deadline_s=0.2, on_expire=rec.expire, on_retire=rec.retire)
     pool.submit("stuck")
-    wait_until(lambda: rec.expired == [("stuck", "timeout")])
-    assert pool.stuck == 1 and pool.replaced == 1
+    wait_until(lambda: rec.expired == [("stuck", "timeout")] and pool.replaced == 1)
+    assert pool.stuck == 1 and rec.slots["stuck"] == 0  # reported as thread 0's job
     pool.submit("next")  # the slot's replacement thread serves it
     wait_until(lambda: rec.done == ["next"])
     release.set()  # the call returns: its result is dropped, its thread retires
@@ -54,36 +58,38 @@ def test_a_job_stuck_past_its_deadline_is_reported_and_its_thread_replaced():
     pool.close(1.0)
 
 
-def test_the_watchdog_never_expires_a_job_while_it_writes():
-    rec, writing, release = Recorder(), threading.Event(), threading.Event()
+def test_nothing_expires_a_job_while_it_touches_vllm_memory():
+    rec, touching, release = Recorder(), threading.Event(), threading.Event()
 
     def handler(job, slot, ticket):
-        with ticket.writing() as ok:
+        with ticket.touching() as ok:
             assert ok
-            writing.set()
-            release.wait()  # a long write into memory vLLM owns
+            touching.set()
+            release.wait()  # a long zero-copy call into memory vLLM owns
         if ticket.finish():
             rec.done.append(job)
 
     pool = RecvPool(1, handler, deadline_s=0.1, on_expire=rec.expire)
     pool.submit("w")
-    writing.wait(2)
-    time.sleep(0.4)  # well past the deadline
-    assert rec.expired == [] and pool.stuck == 0
+    assert touching.wait(2)
+    # Past the bound the thread counts as stuck and is replaced, and the job (past its
+    # deadline since before then) is still not expired, nor dropped.
+    wait_until(lambda: pool.replaced == 1)
+    assert pool.drop(lambda job: True, "abandoned") == 0
+    assert rec.expired == [] and pool.stalled
     release.set()
-    wait_until(lambda: rec.done == ["w"])
-    time.sleep(0.2)
-    assert rec.expired == []  # finished: never reported twice
+    wait_until(lambda: rec.done == ["w"] and not pool._live)  # the watchdog let go of it
+    assert rec.expired == []  # finished: never reported
     pool.close(1.0)
 
 
-def test_an_expired_job_may_not_start_writing():
+def test_an_expired_job_may_not_start_touching():
     rec, results = Recorder(), []
     release = threading.Event()
 
     def handler(job, slot, ticket):
         release.wait()
-        with ticket.writing() as ok:
+        with ticket.touching() as ok:
             results.append(ok)
 
     pool = RecvPool(1, handler, deadline_s=0.1, on_expire=rec.expire)
@@ -95,7 +101,57 @@ def test_an_expired_job_may_not_start_writing():
     pool.close(1.0)
 
 
-def test_stuck_threads_are_bounded_by_the_pool_size():
+def test_a_queued_job_past_its_deadline_never_starts(monkeypatch):
+    """The thread frees up after the queued job's deadline but before the watchdog looks:
+    the job is expired, not run (it would be expired while running, and its thread taken
+    for a stuck one)."""
+    monkeypatch.setattr(recv_pool, "WATCHDOG_TICK_S", 3600.0)  # the watchdog never looks
+    rec, started, release = Recorder(), [], threading.Event()
+
+    def handler(job, slot, ticket):
+        started.append(job)
+        if job == "first":
+            release.wait()
+        ticket.finish()
+
+    pool = RecvPool(1, handler, deadline_s=0.2, on_expire=rec.expire)
+    pool.submit("first")
+    pool.submit("queued")
+    wait_until(lambda: started == ["first"])
+    queued_deadline = pool._jobs[0].deadline
+    wait_until(lambda: time.monotonic() > queued_deadline)
+    release.set()
+    wait_until(lambda: rec.expired == [("queued", "timeout")])
+    assert started == ["first"] and rec.slots["queued"] is None
+    pool.close(1.0)
+
+
+def test_a_thread_is_stuck_only_when_its_own_call_outlives_the_bound():
+    """A job dequeued just before its deadline runs past it: it is expired (the request goes
+    on), but its thread's call is short, so the thread is healthy: not retired, not replaced."""
+    rec, release_first, release_second = Recorder(), threading.Event(), threading.Event()
+    finished = []
+
+    def handler(job, slot, ticket):
+        (release_first if job == "first" else release_second).wait()
+        finished.append((job, ticket.finish()))
+
+    deadline_s = 2.0
+    pool = RecvPool(1, handler, deadline_s=deadline_s, on_expire=rec.expire)
+    pool.submit("first")
+    pool.submit("second")
+    second = pool._jobs[0]
+    wait_until(lambda: time.monotonic() > second.deadline - 0.3)
+    release_first.set()  # "second" starts 0.3 s before its deadline
+    wait_until(lambda: rec.expired == [("second", "timeout")])
+    release_second.set()  # its call took ~0.3 s + a tick: well inside the bound
+    wait_until(lambda: len(finished) == 2)
+    assert finished == [("first", True), ("second", False)]
+    assert pool.replaced == 0 and pool.stuck == 0 and rec.slots["second"] == 0
+    pool.close(1.0)
+
+
+def test_stuck_threads_are_bounded_and_the_queue_holds_no_expired_tickets():
     rec, release = Recorder(), threading.Event()
 
     def handler(job, slot, ticket):
@@ -103,13 +159,74 @@ def test_stuck_threads_are_bounded_by_the_pool_size():
         ticket.finish()
 
     pool = RecvPool(2, handler, deadline_s=0.1, on_expire=rec.expire)
-    for i in range(8):
+    pool.submit(0)
+    pool.submit(1)
+    wait_until(lambda: pool.stuck == 2 and pool.replaced == 2)
+    pool.submit(2)
+    pool.submit(3)  # the replacements take these and get stuck too: no more replacements
+    wait_until(lambda: pool.inflight == [1, 1])
+    for i in range(4, 8):
         pool.submit(i)
     wait_until(lambda: len(rec.expired) == 8)  # every job reported, none waits on a thread
-    assert pool.stuck == 2 and pool.replaced == 2  # the replacements got stuck too: no more
+    assert pool.replaced == 2 and pool.stalled
+    # Every slot is stuck, so no thread pops the queue; the expired tickets must not stay in
+    # it (nor count as its depth). They never ran on a thread.
+    assert pool.depth() == 0 and not pool._jobs
+    assert sorted(j for j, s in rec.slots.items() if s is None) == list(range(4, 8))
     assert sum(t.is_alive() for t in pool._threads) <= 2 * pool.size
     release.set()
     wait_until(lambda: pool.stuck == 0)
+    pool.close(1.0)
+
+
+def test_retired_threads_are_forgotten():
+    """Many stuck-and-replaced cycles: the pool keeps no list of dead threads."""
+    rec, gates = Recorder(), [threading.Event() for _ in range(20)]
+
+    def handler(job, slot, ticket):
+        gates[job].wait()
+        ticket.finish()
+
+    pool = RecvPool(1, handler, deadline_s=0.05, on_expire=rec.expire)
+    for i in range(20):
+        pool.submit(i)
+        wait_until(lambda i=i: pool.replaced == i + 1)  # job i's thread was retired
+        gates[i].set()
+        wait_until(lambda: pool.stuck == 0)
+    assert len(pool._threads) <= 2, len(pool._threads)
+    pool.close(1.0)
+
+
+def test_drop_expires_queued_and_running_jobs_but_not_one_touching_memory():
+    rec, in_touch, in_call, release = (Recorder(), threading.Event(), threading.Event(),
+                                       threading.Event())
+    touched = []
+
+    def handler(job, slot, ticket):
+        if job == "touching":
+            with ticket.touching() as ok:
+                in_touch.set()
+                release.wait()
+        else:  # "running": inside a call that does not touch vLLM's memory yet
+            in_call.set()
+            release.wait()
+            with ticket.touching() as ok:
+                touched.append(ok)
+        ticket.finish()
+
+    pool = RecvPool(2, handler, on_expire=rec.expire)
+    pool.submit("touching")
+    assert in_touch.wait(2)
+    pool.submit("running")
+    assert in_call.wait(2)
+    pool.submit("queued")
+    assert pool.drop(lambda job: True, "abandoned", running=False) == 1
+    assert rec.expired == [("queued", "abandoned")] and pool.depth() == 0
+    assert pool.drop(lambda job: True, "abandoned") == 1
+    assert rec.expired[-1] == ("running", "abandoned") and rec.slots["running"] == 1
+    release.set()
+    wait_until(lambda: touched)
+    assert touched == [False]  # dropped: it may no longer touch the memory
     pool.close(1.0)
 
 
@@ -122,7 +239,7 @@ def test_close_fails_queued_jobs_at_once_and_returns_the_stuck_threads():
     pool = RecvPool(1, handler, on_expire=rec.expire)
     for i in range(5):
         pool.submit(i)
-    time.sleep(0.1)
+    wait_until(lambda: pool.inflight[0] == 1 and pool.depth() == 4)
     t0 = time.monotonic()
     stuck = pool.close(0.2)
     assert time.monotonic() - t0 < 1.0

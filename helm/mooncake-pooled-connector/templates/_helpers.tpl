@@ -286,6 +286,21 @@ Call with (dict "out" $d "defaults" .Values.deploymentDefaults "entry" $entry "r
 }
 {{- end }}
 
+{{/* The connector's environment in one deployment's engine container, and in its helm test
+preflight container (so the preflight checks what the engine will use). Call with
+(dict "root" $ "d" $merged). */}}
+{{- define "mpc.vllm.connectorEnv" -}}
+- name: VLLM_MOONCAKE_LOAD_RECV_THREADS
+  value: {{ (eq (toString .d.recvThreads) "auto" | ternary "auto" (int .d.recvThreads)) | quote }}
+- name: MOONCAKE_CONFIG_PATH
+  value: /etc/mooncake/mooncake.json
+- name: MOONCAKE_LOCAL_HOSTNAME
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{ include "mpc.mooncakeEnv" .root | trim }}
+{{- end }}
+
 {{/* The --kv-transfer-config JSON for one deployment. */}}
 {{- define "mpc.vllm.kvTransferConfig" -}}
 {{- $cfg := dict

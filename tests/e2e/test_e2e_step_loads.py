@@ -1,0 +1,83 @@
+"""In-step loads in real vLLM (connector.step_loads), on a float32 engine so outputs compare
+exactly: a prefix loaded inside the engine step gives the tokens the same engine computed from
+scratch; an in-step load that fails is recomputed by vLLM with the same tokens; the TTFT
+breakdown (connector.ttft) reaches /metrics for both kinds of load, phase by phase."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from connector.metric_catalog import TTFT_PHASES
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
+from tests.conftest import corrupt_stored_block, engine_extra
+
+PREFIX = "steploads"
+TOTAL = "vllm:mooncake_pool_ttft_store_seconds_count"
+PHASE = "vllm:mooncake_pool_ttft_store_phase_seconds_count"
+
+
+def prompt(seed: int, blocks: int = 8) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(blocks * BLOCK_SIZE + 5)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, master, store_node):
+    """A float32 engine (VllmServer's default) whose every load after the first fits the
+    in-step budget."""
+    server = VllmServer(tiny_model, connector_kv_config(engine_extra(
+        master, cache_prefix=PREFIX, load_threads=2, sync_load_ms=1000))).start()
+    yield server
+    server.stop()
+
+
+def delta(server: VllmServer, run) -> tuple[object, dict[str, float]]:
+    before = server.metrics()
+    out = run()
+    after = server.metrics()
+    return out, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def wait_saved(server: VllmServer, keys: int) -> None:
+    """The save thread writes after the response returns."""
+    deadline = time.monotonic() + 30
+    while metric_sum(server.metrics(), "vllm:mooncake_pool_save_keys_total") < keys:
+        assert time.monotonic() < deadline, "the engine never stored its prompts' blocks"
+        time.sleep(0.2)
+
+
+def test_in_step_loads_give_the_computed_tokens(engine):
+    prompts = [prompt(i) for i in range(4)]
+    computed = [engine.complete(p) for p in prompts]  # the store is empty: all computed
+    wait_saved(engine, 4 * 8)
+    engine.reset_prefix_cache()
+    loaded, d = delta(engine, lambda: [engine.complete(p) for p in prompts])
+    assert loaded == computed
+    assert metric_sum(d, "vllm:external_prefix_cache_hits_total") == 4 * 8 * BLOCK_SIZE
+    # The first load is asynchronous (no transfer estimate yet); the rest run in the step.
+    assert metric_sum(d, TOTAL, mode="async") == 1
+    assert metric_sum(d, TOTAL, mode="sync") == 3
+    for phase in TTFT_PHASES:  # every phase of the asynchronous one was measured
+        assert metric_sum(d, PHASE, phase=phase) >= 1, phase
+    assert metric_sum(d, PHASE, phase="load_transfer") == 4
+    assert metric_sum(d, "vllm:mooncake_pool_load_jobs_total", status="error") == 0
+
+
+def test_failed_in_step_load_is_recomputed(engine, store_client):
+    """One stored block replaced by an object of the wrong size: the in-step load fails with
+    -600 in the step that computes the request; vLLM discards that step's token for it and
+    recomputes, and the output is the computed one."""
+    p = prompt(100)
+    computed = engine.complete(p)
+    corrupt_stored_block(engine, store_client, PREFIX, p, 3)
+    engine.complete(prompt(101))  # one more store hit first, so the estimate is fresh
+    engine.reset_prefix_cache()
+    engine.complete(prompt(101))
+    again, d = delta(engine, lambda: engine.complete(p))
+    assert again == computed
+    assert metric_sum(d, TOTAL, mode="sync") == 1
+    assert metric_sum(d, "vllm:mooncake_pool_failures_total", op="load", code="-600") == 1
+    assert metric_sum(d, "vllm:mooncake_pool_load_error_blocks_total") == 1

@@ -1,0 +1,106 @@
+"""A save past its deadline never stores another request's KV, end to end.
+
+`staging: off`, the path GPUs take: every put is a zero-copy call that reads the KV blocks for
+its whole duration. A store node of this module's own is frozen (SIGSTOP) until a save call
+has outlived `save_timeout_s` and the engine has preempted, while it serves a burst that
+preempts (a 40-block KV cache). Afterwards a fresh engine loads those prefixes from the store
+and must give the greedy tokens of an engine without the connector: no stored block holds
+another request's KV. Engines run float32, `VllmServer`'s default.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from connector.metric_catalog import PREFIX as P
+from devkit.processes import freeze, thaw
+from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from tests.conftest import engine_extra, make_prompts
+
+MAX_TOKENS = 48
+# A put against the frozen node waits Mooncake's transfer timeout for each group of slices, so
+# it outlives save_timeout_s by far; once the node is resumed it completes.
+EXTRA = {"cache_prefix": "save-deadline-e2e", "staging": "off", "load_threads": 2,
+         "save_timeout_s": 0.5, "transfer_timeout": 1}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from devkit.local_cluster import MooncakeMaster, StoreNode
+
+    master = MooncakeMaster().start()
+    node = StoreNode(master, segment_size="256MB").start()
+    yield master, node
+    node.stop()
+    master.stop()
+
+
+def engine(model: str, master, *args: str) -> VllmServer:
+    return VllmServer(model, connector_kv_config(engine_extra(master, **EXTRA)),
+                      max_model_len=1024, extra_args=args)
+
+
+def preemptions(m: dict[str, float]) -> float:
+    return metric_sum(m, "vllm:num_preemptions_total")
+
+
+def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_model,
+                                                                           cluster):
+    master, node = cluster
+    work = make_prompts(6, seed=25)
+    reference = VllmServer(tiny_model).start()
+    try:
+        truth = [reference.complete(p, MAX_TOKENS) for p in work]
+    finally:
+        reference.stop()
+
+    a = engine(tiny_model, master, "--num-gpu-blocks-override", "40").start()
+    try:
+        before = a.metrics()
+        freeze(node.proc)
+        frozen_at = time.monotonic()
+        try:
+            with ThreadPoolExecutor(12) as pool:
+                burst = [pool.submit(a.complete, p, MAX_TOKENS) for p in work * 2]
+                # Frozen until a save call has outlived save_timeout_s (its thread counts as
+                # stuck) and the engine has preempted meanwhile.
+                stuck = False
+                deadline = time.monotonic() + 120
+                while True:
+                    m = a.metrics()
+                    stuck |= metric_sum(m, P + "threads_stuck", op="save") > 0
+                    if stuck and preemptions(m) > preemptions(before):
+                        break
+                    assert time.monotonic() < deadline, "no stuck save and preemption seen"
+                    time.sleep(0.2)
+                thaw(node.proc)
+                print(f"store node frozen {time.monotonic() - frozen_at:.1f}s, "
+                      f"{preemptions(m) - preemptions(before):.0f} preemptions by then")
+                outputs = [f.result(timeout=300) for f in burst]
+        finally:
+            thaw(node.proc)
+        assert outputs == truth * 2, "a request served during the freeze changed its output"
+        # Let the saves drain (the stuck puts return now the node answers) before the stop.
+        deadline = time.monotonic() + 120
+        while True:
+            a.complete(work[0][:40], max_tokens=1)  # a step, so the gauges are sent
+            m = a.metrics()
+            if (metric_sum(m, P + "threads_stuck") == 0
+                    and metric_sum(m, P + "save_queue_depth") == 0):
+                break
+            assert time.monotonic() < deadline, "saves never drained after the freeze"
+            time.sleep(0.5)
+    finally:
+        a.stop()
+
+    b = engine(tiny_model, master).start()
+    try:
+        again = [b.complete(p, MAX_TOKENS) for p in work]
+        m = b.metrics()
+    finally:
+        b.stop()
+    assert again == truth, "a block loaded from the store holds another request's KV"
+    assert metric_sum(m, P + "load_bytes_total") > 0, "nothing was loaded from the store"
