@@ -162,7 +162,7 @@ def measure(case: Case, master: MooncakeMaster) -> list[dict[str, Any]]:
             for name, t in caches.items():
                 t.copy_(full[name][:, h0:h1])
         w = MooncakeStoreWorker(cfg, KeyBuilder(prefix, layout, len(groups)), rank, n + 1,
-                                groups)
+                                groups=groups)
         w.register_kv_caches(caches, "CPU_ATTN")
         return w, caches
 

@@ -50,8 +50,8 @@ def workers(master, store_node):
                                               load_threads=2, **extra), environ={})
         lay = Layout("layout-model", "bfloat16", 32, heads, 32, len(LAYERS), tp,
                      store_tp_size=store_tp)
-        w = MooncakeStoreWorker(cfg, KeyBuilder(prefix, lay, len(groups)), rank, NB, groups,
-                                interior_order(layout))
+        w = MooncakeStoreWorker(cfg, KeyBuilder(prefix, lay, len(groups)), rank, NB,
+                                groups=groups, layout_order=interior_order(layout))
         w.register_kv_caches(caches, "CPU_ATTN")
         made.append(w)
         return w

@@ -14,7 +14,7 @@ from vllm.v1.core.block_pool import BlockPool
 from connector.config import load_config
 from connector.groups import FULL, ONE_FULL, SLIDING, GroupSpec
 from connector.keys import KeyBuilder, Layout
-from connector.scheduler import MooncakeStoreScheduler
+from connector.scheduler import FIRST_WINDOW, MooncakeStoreScheduler
 from tests.store.test_scheduler import BS, ask, request, step_output
 from tests.worker_kit import hashes
 
@@ -74,15 +74,15 @@ def test_hit_needs_every_group(sched, store_client):
 
 
 def test_sliding_window_is_probed_from_the_right_only(sched, store_client):
-    """A 200-block prompt: the full group is probed in growing windows, the sliding group only
-    near the end (vLLM #47317's lookup mask)."""
+    """A 400-block prompt: the full group is probed in growing windows, the sliding group only
+    in one window at the end (vLLM #47317's lookup mask)."""
     s = sched()
-    hs = hashes("probe", 200)
+    hs = hashes("probe", 400)
     put(store_client, s, 1, hs)
-    put(store_client, s, 0, hs[198:200])
-    assert ask(s, request("p", hs, 200 * BS + 1)) == (200 * BS, True)
+    put(store_client, s, 0, hs[398:400])
+    assert ask(s, request("p", hs, 400 * BS + 1)) == (400 * BS, True)
     probed = s.recorder.snapshot().data["c"]["lookup_keys"]
-    assert probed < 200 + 20, probed  # every full block once, the sliding group's tail only
+    assert probed == 400 + FIRST_WINDOW  # every full block once, the sliding group's tail
 
 
 def pool_with(n: int = 64) -> BlockPool:
