@@ -57,6 +57,10 @@ class Runs:
         return self._json("disk-tier.json")
 
     @cached_property
+    def layouts(self) -> dict[str, Any]:
+        return self._json("layouts.json")
+
+    @cached_property
     def failover(self) -> dict[str, Any]:
         return self._json("failover.json")
 
@@ -459,6 +463,33 @@ First tokens of the hits equal those computed: {d['same_first_tokens']}.
 """
 
 
+def _bytes(v: float) -> str:
+    return f"{v / 1024:,.1f} KiB" if v >= 1024 else f"{v:,.0f} B"
+
+
+def layouts_table(r: Runs) -> str:
+    """docs/layouts.md: bytes per prompt token stored and moved, per layout (bench.layouts)."""
+    d = r.layouts
+    rows = ["", "| layout | model | one stored object holds | store_tp_size | written by | "
+            "read by | objects per block | stored per token | per-rank copies would store | "
+            "moved per loaded token, per reading rank |", "|---" * 10 + "|"]
+    for x in d["rows"]:
+        blocks = x["prompt_tokens"] // x["geometry"]["block_size"]
+        moved = sorted(set(x["moved_bytes_per_loaded_token_per_rank"]))
+        rows.append(
+            f"| `{x['layout']}` | {x['model']} | {x['what']} | {x['store_tp_size']} | "
+            f"TP={x['writer_tp']} | TP={x['reader_tp']} | {x['objects'] / blocks:g} | "
+            f"{_bytes(x['stored_bytes_per_token'])} | "
+            f"{_bytes(x['per_rank_copies_bytes_per_token'])} | "
+            f"{' / '.join(map(_bytes, moved))} |")
+    m = d["meta"]
+    rows += ["", f"Measured by `{m['command']}` ({m['utc']} UTC, {m['cpus']} CPUs, vLLM "
+             f"{m['vllm']}, Mooncake {m['mooncake']}; `docs/layouts.json`), with a "
+             f"{d['rows'][0]['prompt_tokens']}-token prompt per case; a hit loads all of it but "
+             "the block of its last token.", ""]
+    return "\n".join(rows)
+
+
 # (phase, timeline fields, what governs it): the failover table, one column per run.
 TIMELINE_ROWS = (
     ("first store call fails (`-900`, connection reset): the breaker opens", ("first_call_s",),
@@ -580,6 +611,7 @@ RENDERERS: dict[str, Callable[[Runs], str]] = {
     "docs-serve": docs_serve,
     "readme-serve": readme_serve,
     "docs-disk-tier": docs_disk_tier,
+    "layouts-table": layouts_table,
 }
 
 

@@ -18,6 +18,7 @@ so a bad deployment fails at startup with one readable line instead of a hang or
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import urllib.parse
@@ -44,7 +45,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Key:
-    """One configuration key. `kind`: size, int, float, bool, text or choice."""
+    """One configuration key. `kind`: size, int, ints (a list), float, bool, text or choice."""
 
     name: str
     kind: str
@@ -57,6 +58,7 @@ class Key:
     mooncake: bool = False  # also accepted in the MOONCAKE_CONFIG_PATH file (in-tree field)
     fix: str = ""  # how to fix an out-of-range value
     shown: str = ""  # the default as the docs show it, when it is not a plain value
+    pattern: str = ""  # text: a regular expression the whole value must match
 
     def parse(self, value: Any, name: str) -> Any:
         """The validated value; errors name the field as `name` (where it was set)."""
@@ -65,9 +67,20 @@ class Key:
             if self.hi is not None and not self.lo <= size <= self.hi:
                 raise ConfigError(f"{name}: must be {self.lo:.0f} bytes..{self.hi / 2**20:.0f}MB,"
                                   f" got {value!r} ({size} bytes)")
+            if self.lo is not None and size < self.lo:
+                raise ConfigError(f"{name}: must be at least {self.lo / 2**20:.0f}MB, got "
+                                  f"{value!r} ({size} bytes); {self.fix}")
             return size
         if self.kind == "int":
             return _int_in_range(value, name, int(self.lo), int(self.hi), self.fix)
+        if self.kind == "ints":
+            if isinstance(value, str):
+                value = [v for v in re.split(r"[,\s]+", value.strip()) if v]
+            if not isinstance(value, (list, tuple)) or not value:
+                raise ConfigError(f"{name}: expected a list of integers such as [1, 2, 4], "
+                                  f"got {value!r}; {self.fix}")
+            return tuple(_int_in_range(v, name, int(self.lo), int(self.hi), self.fix)
+                         for v in value)
         if self.kind == "float":
             return _number(value, name, self.lo, self.hi)
         if self.kind == "bool":
@@ -77,6 +90,8 @@ class Key:
             text = text.lower()
             if text not in self.choices:
                 raise ConfigError(f"{name}: {value!r}; use one of {self.choices}: {self.fix}")
+        if self.pattern and not re.fullmatch(self.pattern, text):
+            raise ConfigError(f"{name}: {value!r}; {self.fix}")
         return text
 
 
@@ -100,8 +115,8 @@ KEYS: tuple[Key, ...] = (
     Key("global_segment_size", "size", 4 * 2**30,
         "bytes this engine adds to the pool; `0` when store nodes hold the data (blocks then "
         "survive engine restarts)", mooncake=True, shown="`4GB`"),
-    Key("local_buffer_size", "size", 512 * 2**20, "client transfer buffer", mooncake=True,
-        shown="`512MB`"),
+    Key("local_buffer_size", "size", 512 * 2**20, "client transfer buffer", lo=2**20,
+        mooncake=True, fix="the Mooncake client's transfer buffer; e.g. 512MB", shown="`512MB`"),
     Key("replica_num", "int", 1,
         "in-tree field: replicas of each stored block (Mooncake `ReplicateConfig` on every put)",
         lo=1, hi=16, mooncake=True, fix="replicas per stored block; 1 keeps one copy"),
@@ -148,9 +163,25 @@ KEYS: tuple[Key, ...] = (
         "rather than after it (on CPU the forward runs on the thread that queues them); off "
         "where vLLM zeroes newly allocated blocks"),
     Key("cache_prefix", "text", "mcpool",
-        "key namespace; engines share blocks only within one prefix"),
-    Key("model_id", "text", "", "model identity in the key fingerprint",
+        "key namespace; engines share blocks only within one prefix (1-64 of `A-Z a-z 0-9 . _ "
+        "-`: it is the first part of every store key)", pattern=r"[A-Za-z0-9._-]{1,64}",
+        fix="use 1-64 characters of A-Z a-z 0-9 . _ - (no '/': it separates the parts of a "
+            "store key, so one tenant's prefix could otherwise begin another's keys)"),
+    Key("model_id", "text", None, "model identity in the key fingerprint",
         shown="model path + revision"),
+    Key("store_tp_size", "int", None,
+        "in-tree field: store each block as this many objects, each a 1/store_tp_size share "
+        "of the KV heads, so engines of any TP size share blocks stored with the same value "
+        "(a rank holding part of an object reads just its bytes; see `docs/layouts.md`)",
+        lo=1, hi=1024, fix="engines that share blocks must use the same value",
+        shown="this engine's TP size"),
+    Key("enable_store_tp_lcm", "bool", False,
+        "in-tree field: use the least common multiple of `prefill_tp_sizes` as "
+        "`store_tp_size`"),
+    Key("prefill_tp_sizes", "ints", None,
+        "in-tree field: the TP sizes of the engines that write the store, for "
+        "`enable_store_tp_lcm`", lo=1, hi=1024, fix="list the writers' TP sizes, e.g. [2, 4]",
+        shown="unset"),
     Key("lookup_timeout_s", "float", 2.0, "a scheduler lookup slower than this is a miss",
         lo=0.001, hi=600),
     Key("lookup_wait_ms", "float", 5.0,
@@ -218,10 +249,6 @@ EXTRA_KEYS = MOONCAKE_KEYS + CONNECTOR_KEYS
 # ---- vLLM's in-tree MooncakeStoreConnector: every setting it reads, and its answer here -------
 FILE, ENV, KV = CONFIG_PATH_ENV + " file", "environment", "kv-transfer-config"
 SAME, EQUIVALENT, REFUSED = "same", "equivalent", "refused"
-_CROSS_TP = ("refused until cross-TP sharing lands (issue 22): store keys are per TP size; run "
-             "the engines that share blocks at one TP size and remove it")
-
-
 @dataclass(frozen=True)
 class InTree:
     """One setting of vLLM's in-tree `MooncakeStoreConnector` and what this connector does
@@ -264,15 +291,13 @@ IN_TREE: tuple[InTree, ...] = (
            "read from the registered KV tensors"),
     InTree("lookup_rpc_port", EXTRA, REFUSED, "this connector has no lookup socket: the "
            "scheduler asks the store directly; remove it"),
-    InTree("store_tp_size", EXTRA, REFUSED, _CROSS_TP),
-    InTree("enable_store_tp_lcm", EXTRA, REFUSED, _CROSS_TP),
-    InTree("prefill_tp_sizes", EXTRA, REFUSED, _CROSS_TP),
+    *(InTree(n, EXTRA, SAME, "", n) for n in (
+        "store_tp_size", "enable_store_tp_lcm", "prefill_tp_sizes")),
     InTree("custom_mem_pool", EXTRA, REFUSED, "the KV cache stays vLLM's own allocation, "
            "registered with the store as it is (the NVLINK/BAREX pools serve GPU transports "
            "this connector does not use); remove it"),
-    InTree("enable_group_semantics", EXTRA, REFUSED, "not implemented: blocks are stored one "
-           "object per TP rank and a lookup hits only when every rank's object is there; "
-           "remove it"),
+    InTree("enable_group_semantics", EXTRA, REFUSED, "not implemented: a block's store shards "
+           "are separate objects and a lookup hits only when every shard is there; remove it"),
     # Environment (vllm/envs.py).
     InTree(CONFIG_PATH_ENV, ENV, SAME, "", ""),
     InTree(RECV_THREADS_ENV, ENV, SAME, "", "load_threads"),
@@ -394,7 +419,10 @@ class ConnectorConfig:
     sync_load_ms: float = _d("sync_load_ms")
     load_early_start: bool = _d("load_early_start")
     cache_prefix: str = _d("cache_prefix")
-    model_id: str = _d("model_id")
+    model_id: str | None = _d("model_id")
+    store_tp_size: int | None = _d("store_tp_size")
+    enable_store_tp_lcm: bool = _d("enable_store_tp_lcm")
+    prefill_tp_sizes: tuple[int, ...] | None = _d("prefill_tp_sizes")
     lookup_timeout_s: float = _d("lookup_timeout_s")
     lookup_wait_ms: float = _d("lookup_wait_ms")
     enable_save: bool = _d("enable_save")
@@ -413,6 +441,14 @@ class ConnectorConfig:
     source: dict[str, str] = field(default_factory=dict, compare=False)
     # One line per in-tree setting that was accepted as an equivalent, for the startup log.
     notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def store_tp(self) -> int | None:
+        """The store TP size (store objects per block), as the in-tree connector resolves it:
+        the lcm of prefill_tp_sizes with enable_store_tp_lcm, else store_tp_size."""
+        if self.enable_store_tp_lcm:
+            return math.lcm(*self.prefill_tp_sizes)
+        return self.store_tp_size
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
@@ -585,6 +621,7 @@ def load_config(
         notes.append("kv_role kv_consumer: stores " + (
             "prompt and generated blocks (save_decode_tokens)" if parsed["enable_save"]
             else "nothing (set save_decode_tokens or save_decode_cache to store)"))
+    _check_store_tp(parsed)
     return ConnectorConfig(store=store, load_threads=threads, load_threads_auto=auto,
                            enable_offload=offload, source=source, notes=tuple(notes), **parsed)
 
@@ -648,6 +685,20 @@ def _tenant_id(raw: Any, at: str) -> str:
     return tenant
 
 
+def _check_store_tp(parsed: dict[str, Any]) -> None:
+    """The in-tree store TP keys: store_tp_size, or enable_store_tp_lcm with prefill_tp_sizes."""
+    lcm, sizes = parsed["enable_store_tp_lcm"], parsed["prefill_tp_sizes"]
+    if lcm and sizes is None:
+        raise ConfigError(f"{EXTRA}.enable_store_tp_lcm: needs prefill_tp_sizes (the writers' "
+                          "TP sizes, e.g. [2, 4]); set it or remove enable_store_tp_lcm")
+    if sizes is not None and not lcm:
+        raise ConfigError(f"{EXTRA}.prefill_tp_sizes: only used with enable_store_tp_lcm: "
+                          "true; set that, or use store_tp_size")
+    if lcm and parsed["store_tp_size"] is not None:
+        raise ConfigError(f"{EXTRA}.store_tp_size: set either store_tp_size or "
+                          "enable_store_tp_lcm with prefill_tp_sizes, not both")
+
+
 def _threads(merged: dict[str, Any], source: dict[str, str]) -> tuple[int, bool]:
     """load_threads (from extra_config or the environment): a count, or auto with a maximum."""
     key, raw = BY_NAME["load_threads"], merged.get("load_threads", "1")
@@ -680,11 +731,14 @@ def _range(key: Key) -> str:
     if key.choices:
         return " / ".join(f"`{c}`" for c in key.choices)
     if key.kind == "size":
-        return f"{key.lo:.0f} B..{key.hi / 2**20:.0f} MB" if key.hi is not None else "bytes"
+        if key.hi is None:
+            return f">= {key.lo / 2**20:.0f} MB" if key.lo is not None else "bytes"
+        return f"{key.lo:.0f} B..{key.hi / 2**20:.0f} MB"
     if key.lo is None:
         return ""
-    lo, hi = (int(key.lo), int(key.hi)) if key.kind == "int" else (key.lo, key.hi)
-    return f"{lo}..{hi}" + (" or `auto`" if key.name == "load_threads" else "")
+    lo, hi = (int(key.lo), int(key.hi)) if key.kind in ("int", "ints") else (key.lo, key.hi)
+    return ("list of " if key.kind == "ints" else "") + f"{lo}..{hi}" + (
+        " or `auto`" if key.name == "load_threads" else "")
 
 
 def markdown_table() -> str:
@@ -703,6 +757,9 @@ HELM_SCHEMA = "helm/mooncake-pooled-connector/values.schema.json"
 def json_schema(key: Key) -> dict[str, Any]:
     """The JSON-schema fragment that admits what `key.parse` admits (sizes: any size text)."""
     kinds = {"size": {"type": ["string", "integer"]}, "int": {"type": "integer"},
+             "ints": {"type": "array", "minItems": 1,
+                      "items": {"type": "integer", "minimum": int(key.lo or 0),
+                                "maximum": int(key.hi or 0)}},
              "float": {"type": "number"}, "bool": {"type": "boolean"}, "text": {"type": "string"}}
     out: dict[str, Any] = {"description": key.doc}
     if key.kind == "choice":
@@ -714,6 +771,8 @@ def json_schema(key: Key) -> dict[str, Any]:
         out |= {"minimum": cast(key.lo), "maximum": cast(key.hi)}
     if key.kind == "text" and key.default != "":
         out["minLength"] = 1
+    if key.pattern:
+        out["pattern"] = f"^{key.pattern}$"
     return out
 
 

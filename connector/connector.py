@@ -18,10 +18,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConfigError, load_config
+from connector.groups import GroupError, groups_from_kv_cache_config
 from connector.keys import KeyBuilder, layout_from_vllm
 from connector.metadata import StepMetadata, WorkerReport
 from connector.plugin import register
@@ -46,8 +48,23 @@ def _attn_backend_names(vllm_config: Any) -> str:
         return ""
 
 
-class PooledMooncakeStoreConnector(KVConnectorBase_V1):
-    """Mooncake-store KV connector with a pool of receive threads and full observability."""
+def _interior_order(vllm_config: Any) -> tuple[int, ...] | None:
+    """How a block's KV heads, tokens and content lie in memory, from vLLM's resolved KV cache
+    layout (part of what a store shard's bytes are)."""
+    from connector.kv_regions import interior_order
+
+    try:
+        return interior_order(vllm_config.cache_config.get_resolved_kv_cache_layout())
+    except Exception:  # noqa: BLE001 - no layout API: the tensors' strides say it
+        return None
+
+
+class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Mooncake-store KV connector with a pool of receive threads and full observability.
+
+    SupportsHMA: vLLM keeps its hybrid KV cache manager on, so a model with sliding-window
+    layers gets one block table per KV cache group and this connector stores each group as
+    it needs (`connector.groups`)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -57,22 +74,33 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         try:
             self.config = load_config(ktc.kv_connector_extra_config, kv_role=ktc.kv_role)
-        except ConfigError as e:
+            self.groups = groups_from_kv_cache_config(kv_cache_config,
+                                                      vllm_config.cache_config.block_size)
+            layout = layout_from_vllm(vllm_config, self.config.model_id, self.config.store_tp,
+                                      latent=self.groups[0].latent)
+        except (ConfigError, GroupError, ValueError) as e:
             # One line that names the field and the fix, above vLLM's startup trace.
             logger.error("PooledMooncakeStoreConnector: invalid configuration: %s", e)
             raise
         for note in self.config.notes:  # in-tree settings taken as their equivalents
             logger.info("PooledMooncakeStoreConnector: %s", note)
-        layout = layout_from_vllm(vllm_config, self.config.model_id)
-        self.keys = KeyBuilder(self.config.cache_prefix, layout)
+        self.keys = KeyBuilder(self.config.cache_prefix, layout, len(self.groups))
         self.scheduler = None
         self.worker = None
         try:
             if role == KVConnectorRole.SCHEDULER:
                 from connector.scheduler import MooncakeStoreScheduler
 
-                self.scheduler = MooncakeStoreScheduler(self.config, self.keys,
-                                                        vllm_config.cache_config.block_size)
+                self.scheduler = MooncakeStoreScheduler(
+                    self.config, self.keys, vllm_config.cache_config.block_size, self.groups,
+                    getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0))
+                if self.config.enable_save and not self.scheduler.saves:
+                    logger.warning(
+                        "PooledMooncakeStoreConnector: store_tp_size=%d is below the TP size "
+                        "%d: a stored object holds KV heads of several ranks, which no rank "
+                        "can write alone, so this engine loads from the store but saves "
+                        "nothing; set store_tp_size to a multiple of %d to save too",
+                        layout.shards, layout.tp_size, layout.tp_size)
                 self._trace(self.scheduler, 0, "scheduler")
             else:
                 self._start_worker(vllm_config, kv_cache_config)
@@ -95,7 +123,8 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
         self.worker = MooncakeStoreWorker(
             self.config, self.keys, tp_rank, kv_cache_config.num_blocks,
             kv_on_host=getattr(vllm_config.device_config, "device_type", "cpu") == "cpu",
-            zeroes_blocks=getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+            zeroes_blocks=getattr(kv_cache_config, "needs_kv_cache_zeroing", False),
+            groups=self.groups, layout_order=_interior_order(vllm_config))
         self._trace(self.worker, tp_rank, "worker")
         logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
                     "keys %s", tp_rank, tp_size,
@@ -157,6 +186,15 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids[0])
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool: sliding-window blocks under a save are pinned in it."""
+        if self.scheduler is not None:
+            self.scheduler.bind_block_pool(gpu_block_pool)
 
     # ---- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -1,16 +1,27 @@
-"""Store keys: one object per (KV block, TP rank), namespaced by a layout fingerprint.
+"""Store keys: one object per (KV cache group, store shard, block), namespaced by a layout
+fingerprint.
 
-    <cache_prefix>/<model>/<fingerprint>/tp<size>r<rank>/<block hash hex>
+    <cache_prefix>/<model>/<fingerprint>/g<group>s<shard>of<shards>/<block hash hex>
 
-The fingerprint hashes everything that changes the bytes of a block (model identity, dtype,
-block size, KV heads per rank, head size, layer count, hash algorithm, cache layout), so two
-models or layouts can never read each other's blocks: they simply miss.
+The fingerprint hashes everything that defines a stored object's bytes: model identity, dtype,
+block size, the model's KV heads and how many store shards split them, head size, layers, hash
+algorithm, device, and the signature of the registered KV memory (each group's layers in
+order, with each layer's per-shard shape, memory order and element type; the attention
+backend). It does not hash this engine's TP size: an object holds a shard of the heads, the
+same bytes whichever TP size wrote it, so engines of other TP sizes read it. Two layouts that
+differ in any of the bytes never share a key; they simply miss.
+
+The key is unambiguous by construction: `cache_prefix` is letters, digits, `.`, `_`, `-`
+(checked in the config), the model part is reduced to that set, and every other part is hex
+or fixed text, so `/` only ever separates parts. The model's full name goes into the
+fingerprint, JSON-encoded field by field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import re
@@ -18,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
+
+PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # cache_prefix (config.py enforces it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,42 +40,52 @@ class Layout:
     model: str
     dtype: str
     block_size: int
-    num_kv_heads_per_rank: int
+    num_kv_heads: int  # the model's, across TP ranks (1 for an MLA latent)
     head_size: int
     num_layers: int
-    tp_size: int
+    tp_size: int  # this engine's: it picks which shards a rank moves, not their bytes
     pp_rank: int = 0
     hash_algo: str = "sha256"
     cache_layout: str = ""
     revision: str = ""
-    # What the worker really registered (`kv_signature`): attention backend, each KV tensor's
-    # shape, stride order, dtype and element size. The scheduler learns it from the workers'
+    # What the workers really registered (`kv_signature`). The scheduler learns it from their
     # handshake before the first request, so both sides key blocks by the real memory layout.
     kv_signature: str = ""
+    store_tp_size: int = 0  # the in-tree setting (0: this engine's TP size)
+
+    @property
+    def shards(self) -> int:
+        """Store objects per block and group: the heads split `store_tp_size` ways (a shard
+        holds at least one head; heads replicated across ranks are stored once)."""
+        return min(self.store_tp_size or self.tp_size, self.num_kv_heads)
 
     def fingerprint(self) -> str:
-        text = "|".join(str(v) for v in (
-            self.model, self.revision, self.dtype, self.block_size,
-            self.num_kv_heads_per_rank, self.head_size,
-            self.num_layers, self.tp_size, self.pp_rank, self.hash_algo, self.cache_layout,
-            self.kv_signature,
-        ))
+        text = json.dumps([
+            self.model, self.revision, self.dtype, self.block_size, self.num_kv_heads,
+            self.shards, self.head_size, self.num_layers, self.pp_rank, self.hash_algo,
+            self.cache_layout, self.kv_signature])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def layout_signature(backend: str, groups: Sequence[Any], descriptions: Sequence[str]) -> str:
+    """A stable description of the stored objects: the attention backend, and per KV cache
+    group its kind and window and its layers in order, each with the shape of one shard's part
+    of a block (block dimension left out), the order of its dimensions in memory, dtype and
+    element size (`GroupIO.description`). Equal for every TP size that holds the same model;
+    different for anything that changes the bytes or their order (NHD vs HND, another dtype,
+    other layers, or the same layers in another order)."""
+    return json.dumps([backend, *([g.kind, g.window, d]
+                                  for g, d in zip(groups, descriptions, strict=True))])
+
+
 def kv_signature(kv_caches: Mapping[str, Any], num_blocks: int, backend: str = "") -> str:
-    """A stable description of the registered KV memory: per distinct tensor its shape (the
-    block dimension written B), the order of its dimensions in memory (by stride, outermost
-    first), dtype and element size; and the attention backend's name. Two engines whose
-    tensors have equal shapes but another dimension order (NHD vs HND) or element type get
-    different signatures, so they never read each other's blocks."""
-    parts = []
-    for t in kv_caches.values():
-        shape = ",".join("B" if d == num_blocks else str(d) for d in t.shape)
-        order = ",".join(str(i) for i in sorted(range(t.dim()), key=lambda i: (-t.stride(i), i)))
-        dtype = str(t.dtype).removeprefix("torch.")
-        parts.append(f"[{shape}]o[{order}]{dtype}x{t.element_size()}")
-    return ";".join([backend, *sorted(set(parts))])
+    """The signature of a single-shard engine with one full-attention group of these caches
+    (a TP=1 engine without store_tp_size; the benchmark keys its blocks this way)."""
+    from connector.groups import ONE_FULL
+    from connector.kv_regions import plan_group
+
+    return layout_signature(backend, ONE_FULL,
+                            (plan_group(kv_caches, num_blocks, 1, 1).description,))
 
 
 def _slug(text: str) -> str:
@@ -72,34 +95,42 @@ def _slug(text: str) -> str:
 class KeyBuilder:
     """Builds store keys for one layout; one instance per process, reused on every call."""
 
-    def __init__(self, cache_prefix: str, layout: Layout) -> None:
+    def __init__(self, cache_prefix: str, layout: Layout, groups: int = 1) -> None:
+        if not PREFIX_RE.match(cache_prefix):
+            raise ValueError(f"cache_prefix {cache_prefix!r}: use 1-64 of A-Z a-z 0-9 . _ -")
         self.cache_prefix = cache_prefix
         self.layout = layout
+        self.groups = groups
         self.fingerprint = layout.fingerprint()
         base = f"{cache_prefix}/{_slug(layout.model)}/{self.fingerprint}"
-        self._rank_prefix = tuple(
-            f"{base}/tp{layout.tp_size}r{r}/" for r in range(layout.tp_size)
-        )
+        n = layout.shards
+        self._prefix = tuple(tuple(f"{base}/g{g}s{s}of{n}/" for s in range(n))
+                             for g in range(groups))
 
     def with_signature(self, signature: str) -> KeyBuilder:
         """The same namespace, fingerprinted with the registered KV memory's signature."""
-        return KeyBuilder(self.cache_prefix, dataclasses.replace(self.layout,
-                                                                 kv_signature=signature))
+        return KeyBuilder(self.cache_prefix,
+                          dataclasses.replace(self.layout, kv_signature=signature), self.groups)
 
-    def keys(self, block_hashes: Sequence[bytes], tp_rank: int) -> list[str]:
-        """Keys of the given blocks in rank `tp_rank`'s namespace."""
-        p = self._rank_prefix[tp_rank]
+    def keys(self, block_hashes: Sequence[bytes], shard: int = 0, group: int = 0) -> list[str]:
+        """Keys of the given blocks in one shard of one group."""
+        p = self._prefix[group][shard]
         return [p + h.hex() for h in block_hashes]
 
-    def all_rank_keys(self, block_hashes: Sequence[bytes]) -> list[str]:
-        """Keys of the blocks in every rank's namespace, block-major (block i at i*tp..i*tp+tp-1).
+    def object_keys(self, block_hashes: Sequence[bytes], shards: Sequence[int],
+                    group: int = 0) -> list[str]:
+        """Keys of the blocks' objects in `shards`, block-major (as `ObjectPlan.units`)."""
+        ps = [self._prefix[group][s] for s in shards]
+        return [p + h.hex() for h in block_hashes for p in ps]
 
-        A block is a hit only if every rank holds its part.
-        """
-        return [p + h.hex() for h in block_hashes for p in self._rank_prefix]
+    def all_shard_keys(self, block_hashes: Sequence[bytes], group: int = 0) -> list[str]:
+        """Keys of every shard of the blocks, block-major (block i at i*S..i*S+S-1): a block
+        can be restored only if every shard is stored."""
+        return self.object_keys(block_hashes, range(self.layout.shards), group)
 
 
-def layout_from_vllm(vllm_config: Any, model_id: str = "") -> Layout:
+def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
+                     store_tp_size: int | None = None, latent: bool = False) -> Layout:
     """The layout both the scheduler and the workers derive from vLLM's config (they must agree)."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
@@ -115,16 +146,43 @@ def layout_from_vllm(vllm_config: Any, model_id: str = "") -> Layout:
     except Exception:  # noqa: BLE001 - platform detection is best effort here
         device = ""
     tp = pc.tensor_parallel_size
+    for cp in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(pc, cp, 1) or 1) > 1:
+            raise ValueError(f"{cp}={getattr(pc, cp)}: context parallelism splits a block's "
+                             "tokens across ranks, which this connector's store layout does not "
+                             "describe; serve without it, or without the connector")
+    heads = 1 if latent or getattr(mc, "use_mla", False) else mc.get_total_num_kv_heads()
     return Layout(
         model=model_id or mc.model,
         revision="" if model_id else (getattr(mc, "revision", None) or ""),
         dtype=dtype,
         block_size=cc.block_size,
-        num_kv_heads_per_rank=mc.get_num_kv_heads(pc),
+        num_kv_heads=heads,
         head_size=mc.get_head_size(),
         num_layers=mc.get_num_layers(pc),
         tp_size=tp,
         pp_rank=(pc.rank // tp) % pc.pipeline_parallel_size,
         hash_algo=algo,
         cache_layout=device,
+        store_tp_size=check_store_tp_size(store_tp_size, heads, tp),
     )
+
+
+def check_store_tp_size(store_tp_size: int | None, heads: int, tp_size: int = 1) -> int:
+    """The configured store TP size, checked against the model's KV heads and this engine's
+    TP size (0: unset). Shards and ranks must nest: each rank holds whole shards, or each
+    shard spans whole ranks."""
+    if not store_tp_size:
+        return 0
+    if heads % store_tp_size and store_tp_size % heads:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(
+            f"store_tp_size: {store_tp_size} does not split the model's {heads} KV heads "
+            f"evenly; use one of {divisors} or a multiple of {heads}")
+    shards, ranks = min(store_tp_size, heads), min(tp_size, heads)
+    if max(shards, ranks) % min(shards, ranks):
+        raise ValueError(
+            f"store_tp_size: {store_tp_size} and this engine's TP size {tp_size} do not nest "
+            f"(a rank would hold one and a half shards); use a multiple or a divisor of "
+            f"{tp_size}")
+    return store_tp_size

@@ -18,12 +18,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class BlockTransfer:
     """Blocks of one request to move between the KV cache and the store.
 
-    `block_hashes[i]` names the store object whose bytes belong in KV block `block_ids[i]`.
+    `block_hashes[i]` names the store objects whose bytes belong in KV block `block_ids[i]`
+    of KV cache group `group` (hybrid models have one block table per group).
     """
 
     req_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
+    group: int = 0
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.block_hashes):
@@ -39,7 +41,7 @@ class BlockTransfer:
         if max_blocks <= 0 or n <= max_blocks:
             return [self]
         return [BlockTransfer(self.req_id, self.block_ids[i:i + max_blocks],
-                              self.block_hashes[i:i + max_blocks])
+                              self.block_hashes[i:i + max_blocks], self.group)
                 for i in range(0, n, max_blocks)]
 
 

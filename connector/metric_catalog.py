@@ -99,6 +99,9 @@ FAMILIES: tuple[Family, ...] = (
            "How many blocks are being stored?"),
     Family("save_skipped_keys", "counter", _R, "Keys not written because the store already holds them.",
            "How much is deduplicated?"),
+    Family("layout_keys", "counter", ("tp_rank", "op", "layout", "group", "store_tp_size", "tp_size"),
+           "Store objects this rank loaded or saved (op), by stored layout: kv_heads (a block's KV heads in store_tp_size shards, each object read whole), kv_heads_slice (part of a shard read by a rank of a larger TP size), latent (MLA: one object per block every rank reads); the KV cache group kind (full or sliding_window), and this engine's tp_size.",
+           "Do engines of different TP sizes share blocks (loads where tp_size differs from store_tp_size)?"),
     # Scheduler lookup.
     Family("lookup_seconds", "histogram", (), "Scheduler-side prefix lookup in the store (all TP namespaces).",
            "Does the lookup slow the scheduler?"),

@@ -182,14 +182,16 @@ class RecvPool(Generic[J]):
         with self._lock:
             return any(now - t.started > self._deadline_s for t in self._current.values())
 
-    def drop(self, match: Callable[[J], bool], reason: str, running: bool = True) -> int:
+    def drop(self, match: Callable[[J], bool], reason: str, running: bool = True,
+             spare: int = 0) -> int:
         """Expire now every queued job (and, with `running`, every running one not inside
-        `touching()`) that `match`es, reporting each with `reason`; returns how many. A running
-        job's thread goes on with its call, but may no longer touch vLLM's memory."""
+        `touching()`) that `match`es, but the `spare` oldest queued ones, reporting each with
+        `reason`; returns how many. A running job's thread goes on with its call, but may no
+        longer touch vLLM's memory."""
         with self._lock:
             states = (QUEUED, RUNNING) if running else (QUEUED,)
             hit = [t for t in (*self._jobs, *self._current.values())
-                   if t.state in states and match(t.job)]
+                   if t.state in states and match(t.job)][spare:]
             for t in hit:
                 t.state = EXPIRED
             if hit:

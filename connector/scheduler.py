@@ -11,6 +11,14 @@ makes no store call, and a running one stops before its next window (a store cal
 cannot be cancelled; Mooncake's RPC timeout bounds it). So the executor holds at most the
 lookups of requests still waiting in vLLM, each costing at most one call past its deadline,
 and `shutdown()` closes the client only after every call still running has returned.
+
+KV cache groups (`connector.groups`): a prefix is a hit only as far as every group can restore
+it (every store shard of each block a group needs); each group loads and saves with its own
+block table, a sliding-window group only the window blocks. vLLM frees a sliding-window block
+as soon as the request moves past it, while a save may still read it, so the blocks a save
+takes from such a group are pinned in vLLM's block pool (`touch`) until the request's saves are
+done (reported in finished_sending) or it is preempted (the worker then waits for its saves
+before the next forward).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.events import LookupEvent, Publisher
+from connector.groups import FULL, ONE_FULL, GroupSpec, window_hit
 from connector.keys import KeyBuilder
 from connector.metadata import BlockTransfer, StepMetadata, WorkerReport
 from connector.stats import StatsRecorder
@@ -50,7 +59,7 @@ class _Tracked:
 
     request: Any
     saved_upto: int  # tokens whose blocks are in the store (or being written)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
 
 
 @dataclass
@@ -59,12 +68,27 @@ class _Lookup:
     started: float  # perf_counter at submit; the deadline is started + lookup_timeout_s
 
 
+class _Late(Exception):
+    """A lookup reached its deadline before its next store call."""
+
+
 class MooncakeStoreScheduler:
-    def __init__(self, config: ConnectorConfig, keys: KeyBuilder, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, keys: KeyBuilder, block_size: int,
+                 groups: tuple[GroupSpec, ...] = ONE_FULL,
+                 retention: int | None = 0) -> None:
         self.config = config
         self._keys = keys
         self._tp_size = keys.layout.tp_size
+        self._shards = keys.layout.shards
+        self._groups = groups
+        self._retention = retention  # vLLM's prefix_cache_retention_interval
         self._block_size = block_size
+        lay = keys.layout
+        # A rank can write an object only if it holds all of its heads (store_tp_size >= the
+        # TP size); an engine that cannot is a reader of that layout.
+        self._save = config.enable_save and lay.shards >= min(lay.tp_size, lay.num_kv_heads)
+        self._pool: Any = None  # vLLM's BlockPool, for pins
+        self._pins: dict[str, list[int]] = {}
         self._store = StoreHandle(config.store, 0, LOOKUP_CLIENT_BUFFER,
                                   config.on_master_unreachable, config.store_timeout_s,
                                   on_probe_error=lambda: self.recorder.count(
@@ -94,6 +118,11 @@ class MooncakeStoreScheduler:
         self._signatures: dict[int, str] = {}
         self._layout_wait_since: float | None = None
         self._layout_late = False
+
+    @property
+    def saves(self) -> bool:
+        """Whether this engine stores blocks (enable_save, and a layout its ranks can write)."""
+        return self._save
 
     def add_subscriber(self, sub: Any) -> None:
         self.events.add(sub)
@@ -207,29 +236,40 @@ class MooncakeStoreScheduler:
                 self._lookups.pop(rid, None)
 
     def _lookup(self, hashes: tuple[bytes, ...], deadline: float) -> tuple[int, LookupEvent]:
-        """Longest stored prefix, in tokens, and its event. Runs on the lookup executor; past
-        `deadline` it makes no further store call (a timeout, with the prefix found so far)."""
+        """Longest prefix every group can restore, in tokens, and its event. Runs on the
+        lookup executor. Blocks are probed in windows that grow 4x: full-attention groups
+        from the left, sliding-window groups from the right (only their window is needed).
+        Past `deadline` it makes no further store call: a timeout, with the prefix that what
+        was already probed proves."""
         t0 = time.perf_counter()
         found, probed, code, late = 0, 0, "", False
-        try:
-            window, tp = FIRST_WINDOW, self._tp_size
-            while found < len(hashes):
+        known: list[dict[int, bool]] = [{} for _ in self._groups]
+        spans = [FIRST_WINDOW] * len(self._groups)
+
+        def present(g: int, i: int) -> bool:
+            nonlocal probed
+            if i not in known[g]:
                 if time.perf_counter() >= deadline:
-                    late = True
-                    break
-                chunk = hashes[found:found + window]
-                keys = self._keys.all_rank_keys(chunk)
+                    raise _Late
+                lo, hi = (i, min(len(hashes), i + spans[g])) if self._groups[g].kind == FULL \
+                    else (max(0, i + 1 - spans[g]), i + 1)
+                spans[g] *= 4
+                keys = self._keys.all_shard_keys(hashes[lo:hi], g)
                 probed += len(keys)
                 res = self._store.require().batch_is_exist(keys)
                 if any(r < 0 for r in res):
                     self._store.check(res)
                     raise StoreError(error_code_label(min(res)))
-                n = next((i for i in range(len(chunk)) if 0 in res[i * tp:(i + 1) * tp]),
-                         len(chunk))
-                found += n
-                if n < len(chunk):
-                    break
-                window *= 4
+                n = self._shards
+                known[g].update((lo + j, 0 not in res[j * n:(j + 1) * n]) for j in range(hi - lo))
+            return known[g][i]
+
+        try:
+            found = window_hit(self._groups, present, len(hashes), self._block_size)
+        except _Late:
+            late = True
+            found = window_hit(self._groups, lambda g, i: known[g].get(i, False), len(hashes),
+                               self._block_size)
         except Exception as e:  # noqa: BLE001 - any failure is a miss, counted by code
             code = e.code if isinstance(e, StoreError) else EXCEPTION_CODE
             logger.warning("store lookup failed (%s); treating as a miss", e)
@@ -247,16 +287,20 @@ class MooncakeStoreScheduler:
         rid = request.request_id
         hit = self._hits.get(rid, 0)
         if num_external_tokens > 0 and rid not in self._loading:
-            block_ids = blocks.get_block_ids()[0]
             first, last = (hit - num_external_tokens) // self._block_size, hit // self._block_size
-            load = BlockTransfer(
-                rid, tuple(block_ids[first:last]), tuple(request.block_hashes[first:last]))
-            if self._sync.pop(rid, False):
-                self._sync_loads.append(load)  # done before this step's forward
-            else:
-                self._loads.append(load)
+            sync = self._sync.pop(rid, False)  # done before this step's forward
+            for g, (spec, ids) in enumerate(zip(self._groups, blocks.get_block_ids(),
+                                                strict=True)):
+                # A sliding-window group gets blocks only for the window before the hit.
+                sel = [i for i in range(max(first, spec.first_needed(last, self._block_size)),
+                                        last) if ids[i] != self._null]
+                if sel:
+                    (self._sync_loads if sync else self._loads).append(BlockTransfer(
+                        rid, tuple(ids[i] for i in sel),
+                        tuple(request.block_hashes[i] for i in sel), g))
+            if not sync:
                 self._loading.add(rid)
-        if self.config.enable_save and rid not in self._tracked:
+        if self._save and rid not in self._tracked:
             self._tracked[rid] = _Tracked(request, saved_upto=hit)
 
     def build_connector_meta(self, so: Any) -> StepMetadata:
@@ -266,10 +310,11 @@ class MooncakeStoreScheduler:
             self._tracked.pop(rid, None)
             self._hits.pop(rid, None)
             self.clock.forget(rid)
+            self._unpin(rid)  # handle_preemptions waits for its saves before the next forward
         for new in so.scheduled_new_reqs:
             tr = self._tracked.get(new.req_id)
             if tr is not None:
-                tr.block_ids = list(new.block_ids[0])
+                tr.block_ids = [list(ids) for ids in new.block_ids]
                 self._plan_save(tr, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
                                 saves)
         cached = so.scheduled_cached_reqs
@@ -279,9 +324,10 @@ class MooncakeStoreScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                tr.block_ids = list(new_ids[0]) if new_ids is not None else []
+                tr.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                tr.block_ids.extend(new_ids[0])
+                for have, ids in zip(tr.block_ids, new_ids, strict=True):
+                    have.extend(ids)
             self._plan_save(tr, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid],
                             saves)
         self.step_waited_s = 0.0  # a new step: a new lookup-wait budget
@@ -303,17 +349,48 @@ class MooncakeStoreScheduler:
         req = tr.request
         limit = computed if self.config.save_decode_tokens else min(computed,
                                                                    req.num_prompt_tokens)
-        full = limit // self._block_size
-        first = tr.saved_upto // self._block_size
-        full = min(full, len(tr.block_ids), len(req.block_hashes))
-        if full > first:
-            saves.append(BlockTransfer(req.request_id, tuple(tr.block_ids[first:full]),
-                                       tuple(req.block_hashes[first:full])))
-            tr.saved_upto = full * self._block_size
+        bs = self._block_size
+        first = tr.saved_upto // bs
+        full = min([limit // bs, len(req.block_hashes), *map(len, tr.block_ids)])
+        if full <= first:
+            return
+        for g, (spec, ids) in enumerate(zip(self._groups, tr.block_ids, strict=True)):
+            keep = spec.save_mask(first, full, req.num_prompt_tokens, bs, self._retention)
+            sel = [i for i, k in zip(range(first, full), keep, strict=True)
+                   if k and ids[i] != self._null]
+            if not sel:
+                continue
+            if spec.kind != FULL:
+                self._pin(req.request_id, [ids[i] for i in sel])
+            saves.append(BlockTransfer(req.request_id, tuple(ids[i] for i in sel),
+                                       tuple(req.block_hashes[i] for i in sel), g))
             self._saved.add(req.request_id)
+        tr.saved_upto = full * bs
+
+    # ---- pins of sliding-window blocks under saves ----------------------------------------
+    def bind_block_pool(self, pool: Any) -> None:
+        self._pool = pool
+
+    @property
+    def _null(self) -> int:
+        """vLLM's null block (padding for blocks a sliding-window group has freed)."""
+        return self._pool.null_block.block_id if self._pool is not None else 0
+
+    def _pin(self, rid: str, block_ids: list[int]) -> None:
+        if self._pool is None:
+            return
+        self._pool.touch([self._pool.blocks[b] for b in block_ids])
+        self._pins.setdefault(rid, []).extend(block_ids)
+
+    def _unpin(self, rid: str) -> None:
+        ids = self._pins.pop(rid, None)
+        if ids:
+            self._pool.free_blocks(self._pool.blocks[b] for b in reversed(ids))
 
     # ---- completion ------------------------------------------------------------------------
     def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_sending or ():
+            self._unpin(rid)  # every rank finished the request's saves
         self.clock.seen_done(output.finished_recving or (), time.perf_counter())
         times = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(times, WorkerReport):

@@ -9,6 +9,9 @@
   own, with a short deadline, and `start_load` returns once they are done or expired.
 - Saves: `start_save` queues one job per request with new full blocks; a pool of one save
   thread writes them (skipping keys the store already holds), each within `save_timeout_s`.
+- What a job moves (`kv_regions.plan_group`, per KV cache group): this rank's store objects of
+  each block, whole store shards or, where it holds part of a shard, its byte ranges of it
+  (ranged gets). A rank holding no whole shard, or a replica of another rank's, saves nothing.
 - Block lifetime (`ledger.RequestLedger`): a request's blocks go back to vLLM (finished_sending
   for a finished request, `handle_preemptions` returning for a preempted one) only once no
   job of it can still read or write them. A job touches vLLM's memory only inside
@@ -37,13 +40,14 @@ from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber, request_hash
-from connector.keys import KeyBuilder, kv_signature
-from connector.kv_regions import BlockRegions, compute_regions
+from connector.groups import ONE_FULL, GroupSpec
+from connector.keys import KeyBuilder, layout_signature
+from connector.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.ledger import RequestLedger
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import TIMEOUT, RecvPool, Ticket
 from connector.sampling import LookupProbe
-from connector.staging import BlockStager
+from connector.staging import BlockStager, ranged_get
 from connector.stats import StatsRecorder, WorkerGauges, stat_key
 from connector.store import (
     ABANDONED_CODE,
@@ -107,14 +111,22 @@ def step_deadline_s(config: ConnectorConfig) -> float:
 
 class MooncakeStoreWorker:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, tp_rank: int,
-                 num_blocks: int, kv_on_host: bool = True, zeroes_blocks: bool = False) -> None:
+                 num_blocks: int, kv_on_host: bool = True, zeroes_blocks: bool = False,
+                 groups: tuple[GroupSpec, ...] = ONE_FULL,
+                 layout_order: tuple[int, ...] | None = None) -> None:
         """`zeroes_blocks`: vLLM zeroes newly allocated blocks at the start of a step (its
-        KV cache config's needs_kv_cache_zeroing), so no load may start before that."""
+        KV cache config's needs_kv_cache_zeroing), so no load may start before that.
+        `groups`: the KV cache groups (vLLM's kv_cache_config); `layout_order`: a block's
+        [H, N, C] in memory (`kv_regions.interior_order` of vLLM's KV cache layout)."""
         self.config = config
         self.tp_rank = tp_rank
         self._keys = keys
         self._num_blocks = num_blocks
-        self._regions: BlockRegions | None = None
+        self._groups = groups
+        self._layout_order = layout_order  # a block's [H, N, C] in memory (vLLM's layout)
+        self._io: tuple[GroupIO, ...] = ()  # per group: what this rank loads and saves
+        self._layout_labels: tuple[tuple[str, ...], ...] = ()  # per group, for layout_keys
+        self._regions: ObjectPlan | None = None  # group 0's load plan (memory, on_cuda)
         self._staged = False  # staging buffers (per thread, made on first use) or multi-buffer
         self._disk_chunk = 0  # with a disk tier: most blocks per get call (see _disk_chunk_blocks)
         self._tls = threading.local()
@@ -176,9 +188,19 @@ class MooncakeStoreWorker:
 
     # ---- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], attn_backend: str = "") -> None:
-        self._keys = self._keys.with_signature(
-            kv_signature(kv_caches, self._num_blocks, attn_backend))
-        self._regions = compute_regions(kv_caches, self._num_blocks)
+        lay = self._keys.layout
+        self._io = tuple(
+            plan_group({n: kv_caches[n] for n in g.layers} if g.layers else kv_caches,
+                       self._num_blocks, lay.num_kv_heads, lay.shards, lay.tp_size,
+                       self.tp_rank, self._layout_order)
+            for g in self._groups)
+        self._keys = self._keys.with_signature(layout_signature(
+            attn_backend, self._groups, [io.description for io in self._io]))
+        self._layout_labels = tuple(
+            ("latent" if g.latent else "kv_heads_slice" if io.load.src_offsets else "kv_heads",
+             g.kind, str(lay.shards), str(lay.tp_size))
+            for g, io in zip(self._groups, self._io, strict=True))
+        self._regions = self._io[0].load
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
         self._disk_chunk = self._disk_chunk_blocks()
@@ -189,10 +211,12 @@ class MooncakeStoreWorker:
         self.load_clock.in_step = self.step_pool is not None and self._staged
         self._early_start = self._early_start and not self._regions.on_cuda
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
-        logger.info("mooncake pool: %d KV regions, %d bytes per block, rank %d, %d recv "
-                    "threads, %s", len(self._regions.sizes), self._regions.block_bytes,
-                    self.tp_rank, self.pool.size,
-                    f"staged transfers ({per_call} blocks per call)"
+        logger.info("mooncake pool: %d KV regions, %d bytes per object (%s of %d per block%s)"
+                    ", rank %d, %d recv threads, %s", len(self._regions.sizes),
+                    self._regions.block_bytes, "slice" if self._regions.src_offsets else
+                    f"{self._regions.pieces} shard(s)", lay.shards,
+                    "" if self._io[0].save else "; this rank saves nothing", self.tp_rank,
+                    self.pool.size, f"staged transfers ({per_call} objects per call)"
                     if self._staged else "multi-buffer transfers")
         self._store.on_connect(self._register_buffers)
 
@@ -205,58 +229,61 @@ class MooncakeStoreWorker:
         # (a single-region block is already one contiguous slice: staging would add a copy).
         return mode == "on" or (mode == "auto" and not self._regions.on_cuda
                                 and self.config.store.protocol == "tcp"
-                                and len(self._regions.sizes) > 1)
+                                and any(len(io.load.sizes) > 1 for io in self._io))
 
     def _disk_chunk_blocks(self) -> int:
-        """With a disk tier, the most blocks one get may ask for (0: no limit): the store node
+        """With a disk tier, the most objects one get may ask for (0: no limit): the store node
         reads disk objects into its staging buffer (disk_staging_buffer_size) before sending
         them, and a get that does not fit fails whole with -10 BUFFER_OVERFLOW. A job's gets
         run one after another, as the in-tree connector's sub-batches do."""
         if not self.config.enable_offload:
             return 0
         budget = int(self.config.disk_staging_buffer_size * self.config.disk_staging_usable_ratio)
-        fit = budget // disk_staged_bytes(self._regions.block_bytes)
+        biggest = max(io.load.block_bytes for io in self._io)  # one store object
+        fit = budget // disk_staged_bytes(biggest)
         if fit == 0:
             raise ValueError(
                 f"kv_connector_extra_config.disk_staging_buffer_size: {budget} usable bytes "
-                f"hold no block of {self._regions.block_bytes} bytes; raise it (and the store "
+                f"hold no store object of {biggest} bytes; raise it (and the store "
                 "nodes' MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES) or disk_staging_usable_ratio")
         return fit
 
     def _register_buffers(self, client: Any) -> None:
-        for ptr, size in self._regions.storages:
+        for ptr, size in dict(st for io in self._io for st in io.load.storages).items():
             rc = client.register_buffer(ptr, size)
             if rc != 0:
                 logger.error("register_buffer(%#x, %d) failed with %d; loads and saves on "
                              "this rank will fail and be recomputed", ptr, size, rc)
 
-    def _stager(self, client: Any) -> BlockStager | None:
-        """This thread's staging buffer, made and registered on first use. Per thread, not
-        per slot: a thread stuck in a call keeps its buffer until the call returns, and its
-        replacement gets a fresh one."""
+    def _stager(self, client: Any, plan: ObjectPlan) -> BlockStager | None:
+        """This thread's staging buffer for `plan`, made and registered on first use. Per
+        thread, not per slot: a thread stuck in a call keeps its buffer until the call
+        returns, and its replacement gets a fresh one. (One per plan: a hybrid model's groups,
+        or a load and a save plan that differ, each have their own.)"""
         if not self._staged:
             return None
-        stager = getattr(self._tls, "stager", None)
+        stagers = getattr(self._tls, "stagers", None)
+        if stagers is None:
+            stagers = self._tls.stagers = {}
+        stager = stagers.get(id(plan))
         if stager is None:
-            stager = BlockStager(self._regions, self._num_blocks,
-                                 self.config.staging_buffer_size)
+            stager = BlockStager(plan, self._num_blocks, self.config.staging_buffer_size)
             rc = client.register_buffer(stager.buffer.data_ptr(), stager.nbytes)
             if rc != 0:
                 raise RuntimeError(f"register_buffer of a staging buffer failed with {rc}")
-            self._tls.stager, self._tls.client = stager, client
+            stagers[id(plan)], self._tls.client = stager, client
             with self._buffers_lock:
                 self.staging_buffers += 1
         return stager
 
     def _release_stager(self) -> None:
-        """A retired thread's call has returned: its buffer can be unregistered and freed."""
-        stager = getattr(self._tls, "stager", None)
-        if stager is None:
-            return
-        self._tls.client.unregister_buffer(stager.buffer.data_ptr())
-        self._tls.stager = self._tls.client = None
-        with self._buffers_lock:
-            self.staging_buffers -= 1
+        """A retired thread's call has returned: its buffers can be unregistered and freed."""
+        stagers = getattr(self._tls, "stagers", None) or {}
+        for stager in stagers.values():
+            self._tls.client.unregister_buffer(stager.buffer.data_ptr())
+            with self._buffers_lock:
+                self.staging_buffers -= 1
+        self._tls.stagers, self._tls.client = {}, None
 
     # ---- per step --------------------------------------------------------------------------
     def _context(self) -> Any:
@@ -350,9 +377,11 @@ class MooncakeStoreWorker:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         if self._saves_failing or self.save_pool.stalled:
             # A finished request would hold its blocks until its queued saves expire; while
-            # saves fail or hang, drop the ones that have not started instead.
+            # saves fail or hang, drop the ones that have not started instead. While they only
+            # fail, the oldest goes on: the save that succeeds again ends the dropping.
             self.save_pool.drop(lambda j: self.ledger.awaiting_free(j.transfer.req_id),
-                                ABANDONED_CODE, running=False)
+                                ABANDONED_CODE, running=False,
+                                spare=0 if self.save_pool.stalled else 1)
         sending, recving = self.ledger.take_finished()
         if recving:
             in_step = recving & self._in_step  # their requests run already: not vLLM's news
@@ -405,9 +434,11 @@ class MooncakeStoreWorker:
         key_tiers, tiers = None, None
         try:
             client = self._connected()
-            keys = self._keys.keys(t.block_hashes, self.tp_rank)
-            stager = self._stager(client)
-            addrs = None if stager else self._regions.addresses(t.block_ids)
+            plan = self._io[t.group].load
+            keys = self._keys.object_keys(t.block_hashes, plan.shards, t.group)
+            units = plan.units(t.block_ids)
+            stager = self._stager(client, plan)
+            addrs = None if stager else plan.addresses(units)
             t_prepared = t_lookup_end = time.perf_counter()
             if self.config.tier_metrics or self._lookup_probe.due(thread):
                 descriptors = client.batch_get_replica_desc(keys)
@@ -416,16 +447,17 @@ class MooncakeStoreWorker:
                 if self.config.tier_metrics:
                     key_tiers = [replica_tier(descriptors.get(k)) for k in keys]
             if stager:
-                results = stager.get(client, keys, t.block_ids, ticket.touching, self._disk_chunk)
+                results = stager.get(client, keys, units, ticket.touching, self._disk_chunk)
             else:  # zero-copy: the call itself writes into the KV blocks
-                results = self._get_multi_buffers(client, keys, addrs, ticket)
-            want = self._regions.block_bytes
+                results = self._get_multi_buffers(client, keys, addrs, plan, ticket)
+            want = plan.block_bytes
             if not ticket.expired and len(results) != len(keys):
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
-            failed = [b for b, r in zip(t.block_ids, results, strict=False) if r != want]
+            per = plan.pieces
+            failed = sorted({t.block_ids[i // per] for i, r in enumerate(results) if r != want})
             nbytes = sum(r for r in results if r > 0)
             if key_tiers is not None:
-                tiers = self._served_by_tier(key_tiers, results, want)
+                tiers = self._served_by_tier(key_tiers, results, want, per, t.group)
             bad = next((r for r in results if r != want), None)
             if bad is not None:
                 code = error_code_label(bad) if bad < 0 else SHORT_READ_CODE
@@ -438,6 +470,9 @@ class MooncakeStoreWorker:
                            request_hash(t.req_id), e)
         if not ticket.finish():
             return  # expired: the watchdog reported it, and nothing was copied since
+        if nbytes:
+            self.recorder.count("layout_keys", self.tp_rank, "load", *self._layout_labels[t.group],
+                                n=sum(1 for r in results if r == want))
         self.ledger.finish_load(t.req_id, failed if code else ())
         self.events.load(LoadEvent(
             thread=thread, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
@@ -446,29 +481,34 @@ class MooncakeStoreWorker:
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
             trace_parent=job.trace_parent, tiers=tiers))
 
-    def _get_multi_buffers(self, client: Any, keys: list[str], addrs: Any,
+    def _get_multi_buffers(self, client: Any, keys: list[str], addrs: Any, plan: ObjectPlan,
                            ticket: Ticket[_Job]) -> list[int]:
-        """Multi-buffer gets straight into the KV blocks: one call, or with a disk tier calls
-        of at most _disk_chunk blocks; each writes only while the ticket allows it."""
+        """Multi-buffer (or, for a slice of each object, ranged) gets straight into the KV
+        blocks: one call, or with a disk tier calls of at most _disk_chunk objects; each
+        writes only while the ticket allows it."""
         step = self._disk_chunk or len(keys)
         results: list[int] = []
         for i in range(0, len(keys), step):
+            part = [a[i:i + step] for a in addrs]
             with ticket.touching() as ok:
                 if not ok:
                     return results
-                results += client.batch_get_into_multi_buffers(
-                    keys[i:i + step], addrs[0][i:i + step], addrs[1][i:i + step])
+                results += (client.batch_get_into_multi_buffers(keys[i:i + step], *part)
+                            if plan.src_offsets is None else
+                            ranged_get(client, keys[i:i + step], *part, plan.src_offsets))
         return results
 
-    def _served_by_tier(self, key_tiers: list[str], results: list[int], want: int
-                        ) -> dict[str, tuple[int, int]]:
-        """(prompt tokens, bytes) loaded whole from each tier."""
+    def _served_by_tier(self, key_tiers: list[str], results: list[int], want: int, per: int,
+                        group: int) -> dict[str, tuple[int, int]]:
+        """(prompt tokens, bytes) of the blocks loaded whole (all `per` objects of each) from
+        each tier, named by the tier of a block's first object. Tokens count in group 0 only:
+        another group's blocks cover the same prompt tokens."""
         out: dict[str, tuple[int, int]] = {}
-        block = self._keys.layout.block_size
-        for tier, r in zip(key_tiers, results, strict=False):
-            if r == want:
-                tokens, nbytes = out.get(tier, (0, 0))
-                out[tier] = (tokens + block, nbytes + r)
+        block = self._keys.layout.block_size if group == 0 else 0
+        for i in range(0, len(results), per):
+            if all(r == want for r in results[i:i + per]):
+                tokens, nbytes = out.get(key_tiers[i], (0, 0))
+                out[key_tiers[i]] = (tokens + block, nbytes + want * per)
         return out
 
     def _load_expired(self, job: _Job, reason: str, slot: int | None) -> None:
@@ -504,9 +544,11 @@ class MooncakeStoreWorker:
                 job.ready.synchronize()
             t_ready = t_exists = time.perf_counter()
             client = self._connected()
-            keys = self._keys.keys(t.block_hashes, self.tp_rank)
+            plan = self._io[t.group].save
+            keys = self._keys.object_keys(t.block_hashes, plan.shards, t.group) if plan else []
+            units = plan.units(t.block_ids) if plan else []
             op = "save_exists"
-            exists = client.batch_is_exist(keys)
+            exists = client.batch_is_exist(keys) if keys else []
             t_exists = time.perf_counter()
             down = next((e for e in exists if e in MASTER_DOWN_CODES), None)
             if down is not None:  # the breaker opens; a put now would only wait for it too
@@ -517,15 +559,15 @@ class MooncakeStoreWorker:
             new = [i for i, e in enumerate(exists) if e != 1]
             skipped = len(keys) - len(new)
             if new:
-                new_keys, new_ids = [keys[i] for i in new], [t.block_ids[i] for i in new]
-                stager = self._stager(client)
+                new_keys, new_ids = [keys[i] for i in new], [units[i] for i in new]
+                stager = self._stager(client, plan)
                 if stager:  # reads the blocks from the first gather to the last
                     results = stager.put(client, new_keys, new_ids, ticket.touching,
                                          self._store.replicate)
                 else:  # zero-copy: the put reads the blocks for its whole call
                     with ticket.touching() as ok:
                         results = client.batch_put_from_multi_buffers(
-                            new_keys, *self._regions.addresses(new_ids),
+                            new_keys, *plan.addresses(new_ids),
                             self._store.replicate) if ok else []
                 # -705: another writer stored the same block meanwhile; that is a skip.
                 skipped += sum(1 for r in results if r == -705)
@@ -534,7 +576,10 @@ class MooncakeStoreWorker:
                 if errs:
                     code = error_code_label(errs[0])
                     self._store.check(errs)
-                nbytes = stored * self._regions.block_bytes
+                nbytes = stored * plan.block_bytes
+                if stored:
+                    self.recorder.count("layout_keys", self.tp_rank, "save",
+                                        *self._layout_labels[t.group], n=stored)
         except StoreError as e:
             code = e.code
         except Exception as e:

@@ -440,6 +440,14 @@ ERRORS_AND_STORE = Dash(
                "when their fingerprints match (and PYTHONHASHSEED, for non-sha256 hashes). "
                "transfer: staged (contiguous buffer + copies) or multibuffer.",
               kind="table", width=24, height=6, table_value=None),
+            P("Store objects by layout and TP size", "ops", (
+                (rate(series("layout_keys"), "op, layout, group, store_tp_size, tp_size"),
+                 "{{op}} {{layout}} {{group}} store_tp={{store_tp_size}} on tp={{tp_size}}"),
+            ), "Objects loaded and saved per second by stored layout: kv_heads (KV heads in "
+               "store_tp_size shards, read whole), kv_heads_slice (part of a shard, read by a "
+               "larger TP size), latent (MLA, one object per block); by KV cache group and this "
+               "engine's TP size. Loads with tp differing from store_tp are blocks shared across "
+               "fleets of different TP sizes (docs/layouts.md).", width=24),
         )),
         Row("Mooncake master", (
             P("Keys in the store", "short", (

@@ -186,7 +186,7 @@ def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int]
     text = "\n".join(server.metrics())
     fingerprint = re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',
                             text).group(1)
-    keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/tp1r0/{h.hex()}"
+    keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/g0s0of1/{h.hex()}"
             for h in block_hashes(prompt)]
     deadline = time.monotonic() + 10
     while client.batch_is_exist(keys) != [1] * len(keys):

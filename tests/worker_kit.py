@@ -15,6 +15,7 @@ from connector.keys import KeyBuilder, Layout
 from connector.metadata import StepMetadata
 from connector.store import TIMEOUT_ENV
 from connector.worker import MooncakeStoreWorker
+from devkit.vllm_kv import vllm_caches  # noqa: F401 - re-exported for the tests
 
 NUM_BLOCKS = 64
 LAYERS = 2
@@ -86,5 +87,6 @@ def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 3
     late = worker.get_load_errors()
     assert not late, f"load errors reported after their request finished: {sorted(late)}"
     return seen, errors
+
 
 

@@ -108,6 +108,6 @@ def test_blocks_in_memory_are_counted_as_memory(make_worker_on, disk_cluster):
 
 
 def test_a_block_larger_than_the_owner_buffer_is_a_startup_error(make_worker_on, disk_cluster):
-    with pytest.raises(ValueError, match="disk_staging_buffer_size: .* hold no block"):
+    with pytest.raises(ValueError, match="disk_staging_buffer_size: .* hold no store object"):
         make_worker_on(disk_cluster, heads=HEADS, prefix="tiny", enable_offload=True,
                        disk_staging_buffer_size=BLOCK)

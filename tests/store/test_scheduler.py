@@ -89,7 +89,7 @@ def test_failed_load_is_not_retried(sched, store_client):
                                               new_block_ids=[], num_computed_tokens=[])))
     assert [(t.req_id, t.block_ids) for t in meta.loads] == [("r", (10, 11, 12, 13))]
     # The load failed; vLLM recomputes and asks again: the answer is now "nothing".
-    sched.update_connector_output(SimpleNamespace(finished_recving={"r"}))
+    sched.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving={"r"}))
     assert ask(sched, req) == (0, False)
 
 

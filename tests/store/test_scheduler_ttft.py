@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from connector.events import RequestEvent, Subscriber
+from connector.metadata import WorkerReport
 from connector.metric_catalog import TTFT_PHASES
 from connector.ttft import LoadTimes, RankLoad
 from tests.store.test_scheduler import BS, ask, blocks, make, request, step_output, store_blocks
@@ -61,9 +62,9 @@ def test_loads_go_in_the_step_once_they_fit_and_each_request_is_published(
         # Both TP ranks report it done, with their timings: 1 ms per block.
         for rank_s in (0.006, 0.008):
             s.update_connector_output(SimpleNamespace(
-                finished_recving={"a"} if rank_s == 0.008 else None,
-                kv_connector_worker_meta=LoadTimes(
-                    {"a": RankLoad(0.001, 0.0, rank_s, 0.002, 8, False)}, in_step=True)))
+                finished_sending=None, finished_recving={"a"} if rank_s == 0.008 else None,
+                kv_connector_worker_meta=WorkerReport({}, LoadTimes(
+                    {"a": RankLoad(0.001, 0.0, rank_s, 0.002, 8, False)}, in_step=True))))
         assert not published.seen  # its prefill is not scheduled yet
         s.build_connector_meta(step_output([new_req("a")], {"a": 1}))
         (ev,) = published.seen
@@ -83,8 +84,9 @@ def test_loads_go_in_the_step_once_they_fit_and_each_request_is_published(
         assert ask(s, c) == (8 * BS, False) and ask(s, d) == (8 * BS, True)
         # b finished within its step; the workers' account comes with that step's output.
         s.update_connector_output(SimpleNamespace(
-            finished_recving=None, kv_connector_worker_meta=LoadTimes(
-                {"b": RankLoad(0.0, 0.0, 0.007, 0.0, 8, False, in_step=True, ranks=2)}, True)))
+            finished_sending=None, finished_recving=None,
+            kv_connector_worker_meta=WorkerReport({}, LoadTimes(
+                {"b": RankLoad(0.0, 0.0, 0.007, 0.0, 8, False, in_step=True, ranks=2)}, True))))
         assert [e.mode for e in published.seen] == ["async", "sync"]
         assert [p for p, _ in published.seen[1].phases] == list(TTFT_PHASES[:6])
     finally:

@@ -305,3 +305,32 @@ def test_long_request_split_across_threads(make_worker):
     for name in src:
         assert torch.equal(dst[name][:, :20], src[name][:, :20])
         assert torch.equal(dst[name][:, 21:48], src[name][:, 21:48])
+
+
+def test_saves_resume_once_the_store_takes_puts_again(make_worker_on):
+    """Saves fail (a master without a store node: no segment to put into), then a store node
+    mounts. Saves of finished requests are dropped while saves fail, but not all of them: a
+    later save must reach the store, or the dropping would never end (seen: a worker that
+    stored nothing after one failed put, every later save counted as abandoned)."""
+    from devkit.local_cluster import MooncakeMaster, StoreNode
+
+    master = MooncakeMaster().start()
+    node = None
+    try:
+        w = make_worker_on(master, prefix="resume", staging="off")
+        hs = hashes("resume", 4)
+        save(w, "failed", (0, 1), hs[:2])
+        assert w._saves_failing
+        node = StoreNode(master, segment_size="64MB").start()
+        stored = False
+        for i in range(20):  # every request finishes the step its save is queued in
+            save(w, f"r{i}", (2, 3), hs[2:])
+            stored = w._connected().batch_is_exist(w._keys.keys(hs[2:], 0)) == [1, 1]
+            if stored:
+                break
+        assert stored, w.recorder.snapshot().data["c"]
+        assert not w._saves_failing
+    finally:
+        if node is not None:
+            node.stop()
+        master.stop()

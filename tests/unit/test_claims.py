@@ -31,6 +31,7 @@ PASSAGES = {
     "docs/disk-tier.md": {"docs-disk-tier"},
     "docs/reliability.md": {"frozen-get"},
     "docs/reliability-failover.md": {"failover-timeline", "failover-serve"},
+    "docs/layouts.md": {"layouts-table"},
 }
 ALL_PASSAGES = set().union(*PASSAGES.values())
 # Settings the failover page quotes outside passages (the probe's intervals), not measurements.

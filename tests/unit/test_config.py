@@ -90,7 +90,7 @@ def test_ports_out_of_range(extra, field):
     assert f"{field}: " in error_for(extra) and "65535" in error_for(extra)
 
 
-@pytest.mark.parametrize("key", ["lookup_rpc_port", "store_tp_size", "custom_mem_pool"])
+@pytest.mark.parametrize("key", ["lookup_rpc_port", "enable_group_semantics", "custom_mem_pool"])
 def test_in_tree_fields_without_meaning_are_rejected_with_why(key, tmp_path):
     msg = error_for({key: "x"})
     assert f"{key}: not supported by this connector" in msg and "remove it" in msg

@@ -1,4 +1,5 @@
-"""Key namespaces: two models or layouts never share a key; every TP rank has its own."""
+"""Key namespaces: what defines the stored bytes changes every key, the writer's TP size does not,
+and the namespace is unambiguous by construction."""
 
 from __future__ import annotations
 
@@ -6,69 +7,132 @@ import dataclasses
 import hashlib
 
 import pytest
+import torch
 
-from connector.keys import KeyBuilder, Layout
+from connector.config import ConfigError, load_config
+from connector.groups import GroupSpec
+from connector.keys import KeyBuilder, Layout, kv_signature, layout_signature
+from connector.kv_regions import plan_group
 
 BASE = Layout("org/llama-8b", "bfloat16", 32, 8, 128, 32, 2)
 H = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+STORE = {"master_server_address": "127.0.0.1:50051",
+         "metadata_server": "http://127.0.0.1:8080/metadata"}
 
 
 @pytest.mark.parametrize("change", [
     {"model": "org/llama-70b"}, {"revision": "v2"}, {"dtype": "float16"}, {"block_size": 64},
-    {"num_kv_heads_per_rank": 4}, {"head_size": 64}, {"num_layers": 16}, {"tp_size": 4},
+    {"num_kv_heads": 4}, {"head_size": 64}, {"num_layers": 16}, {"store_tp_size": 4},
     {"pp_rank": 1}, {"hash_algo": "xxhash"}, {"cache_layout": "cuda"},
 ])
 def test_any_layout_change_changes_every_key(change):
     a, b = KeyBuilder("p", BASE), KeyBuilder("p", dataclasses.replace(BASE, **change))
     assert a.fingerprint != b.fingerprint
-    assert not set(a.all_rank_keys(H)) & set(b.all_rank_keys(H))
+    assert not set(a.all_shard_keys(H)) & set(b.all_shard_keys(H))
 
 
-def test_key_format_and_rank_namespaces():
-    kb = KeyBuilder("prod-a", BASE)
-    assert kb.keys(H[:1], 1) == [f"prod-a/llama-8b/{kb.fingerprint}/tp2r1/{H[0].hex()}"]
-    assert kb.all_rank_keys(H[:2]) == [kb.keys(H[:1], 0)[0], kb.keys(H[:1], 1)[0],
-                                       kb.keys(H[1:2], 0)[0], kb.keys(H[1:2], 1)[0]]
+def test_the_writers_tp_size_is_not_part_of_the_key():
+    """Engines of TP 1, 2 and 4 that store 2 shards per block use the same keys."""
+    keys = {tp: KeyBuilder("p", dataclasses.replace(BASE, tp_size=tp, store_tp_size=2))
+            .all_shard_keys(H) for tp in (1, 2, 4)}
+    assert keys[1] == keys[2] == keys[4]
+    assert len(keys[1]) == 2 * len(H)
+
+
+def test_key_format_and_shard_namespaces():
+    kb = KeyBuilder("prod-a", BASE, groups=2)
+    fp = kb.fingerprint
+    assert kb.keys(H[:1], 1) == [f"prod-a/llama-8b/{fp}/g0s1of2/{H[0].hex()}"]
+    assert kb.keys(H[:1], 0, group=1) == [f"prod-a/llama-8b/{fp}/g1s0of2/{H[0].hex()}"]
+    assert kb.all_shard_keys(H[:2]) == [kb.keys(H[:1], 0)[0], kb.keys(H[:1], 1)[0],
+                                        kb.keys(H[1:2], 0)[0], kb.keys(H[1:2], 1)[0]]
     assert KeyBuilder("prod-b", BASE).keys(H[:1], 1) != kb.keys(H[:1], 1)
 
 
-def _caches(order: str, dtype=None):
-    """Two layers of [2, 64 blocks, 4 heads, 32 tokens, 16] with NHD or HND memory order."""
-    import torch
-
+def _caches(order: str, dtype=None, names=("l0", "l1")):
+    """vLLM's per-layer views [64 blocks, 4 heads, 32 tokens, 16] with head-major (HND) or
+    token-major (NHD) memory inside a block."""
     dtype = dtype or torch.bfloat16
-    if order == "NHD":
-        return {f"l{i}": torch.zeros(2, 64, 4, 32, 16, dtype=dtype) for i in range(2)}
-    # same logical shape, heads and tokens swapped in memory
-    return {f"l{i}": torch.zeros(2, 64, 32, 4, 16, dtype=dtype).transpose(2, 3)
-            for i in range(2)}
+    if order == "HND":
+        return {n: torch.zeros(64, 4, 32, 16, dtype=dtype) for n in names}
+    return {n: torch.zeros(64, 32, 4, 16, dtype=dtype).transpose(1, 2) for n in names}
 
 
 def test_layout_signature_tells_memory_orders_and_dtypes_apart():
-    import torch
-
-    from connector.keys import kv_signature
-
     nhd, hnd = _caches("NHD"), _caches("HND")
     assert next(iter(nhd.values())).shape == next(iter(hnd.values())).shape
     sigs = {kv_signature(nhd, 64, "CPU_ATTN"), kv_signature(hnd, 64, "CPU_ATTN"),
             kv_signature(_caches("NHD", torch.float16), 64, "CPU_ATTN"),
             kv_signature(nhd, 64, "FLASH_ATTN")}
     assert len(sigs) == 4
-    keys = [set(KeyBuilder("p", BASE).with_signature(s).all_rank_keys(H)) for s in sigs]
+    keys = [set(KeyBuilder("p", BASE).with_signature(s).all_shard_keys(H)) for s in sigs]
     assert all(not a & b for i, a in enumerate(keys) for b in keys[i + 1:])
+
+
+def test_signature_covers_layer_order_and_count():
+    """Issue 25.7: the stored object is the layers concatenated in order, so engines whose layers
+    are ordered differently, or that have more layers of the same shape, must not share keys
+    (a sorted set of per-layer shapes was the same for all three)."""
+    caches = _caches("HND", names=("l0", "l1", "l2"))
+    swapped = {"l1": caches["l1"], "l0": caches["l0"], "l2": caches["l2"]}
+    fewer = {"l0": caches["l0"], "l1": caches["l1"]}
+    sigs = [kv_signature(c, 64, "CPU_ATTN") for c in (caches, swapped, fewer)]
+    assert len(set(sigs)) == 3
+    assert kv_signature(dict(caches), 64, "CPU_ATTN") == sigs[0]  # and equal when equal
+
+
+def test_signature_is_the_same_for_every_tp_size():
+    """A TP=2 rank's tensors hold half the heads; its shard description equals the TP=1
+    engine's, so their keys (with the same store_tp_size) are equal."""
+    full = _caches("HND")
+    half = {n: t[:, :2].contiguous() for n, t in full.items()}
+    one = plan_group(full, 64, 4, 2, tp_size=1, tp_rank=0).description
+    two = [plan_group(half, 64, 4, 2, tp_size=2, tp_rank=r).description for r in (0, 1)]
+    assert one == two[0] == two[1]
+    g = (GroupSpec(),)
+    assert layout_signature("CPU_ATTN", g, [one]) == layout_signature("CPU_ATTN", g, [two[0]])
+
+
+def test_fingerprint_fields_are_encoded_one_by_one():
+    """Issue 25.8: joined with "|", model "a|b" at revision "" and model "a" at revision "b|"
+    gave one fingerprint text."""
+    a = dataclasses.replace(BASE, model="a|b", revision="")
+    b = dataclasses.replace(BASE, model="a", revision="b|")
+    assert a.fingerprint() != b.fingerprint()
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"cache_prefix": "a/b"}, "cache_prefix"),
+    ({"cache_prefix": "a b/c"}, "cache_prefix"),
+    ({"cache_prefix": "x" * 5000}, "cache_prefix"),
+    ({"model_id": ""}, "model_id"),
+    ({"local_buffer_size": "0"}, "local_buffer_size"),
+])
+def test_namespace_parts_are_refused_with_the_field_named(extra, field):
+    """Issue 25.8: `/` inside a prefix made prefix `a/b` with model `m` and prefix `a` with model
+    `b/m` build keys that start the same way; an empty model id or a 0-byte buffer were taken."""
+    with pytest.raises(ConfigError, match=field):
+        load_config({**STORE, **extra}, environ={})
+
+
+def test_key_parts_cannot_run_into_each_other():
+    """Every part before the hash is free of `/` (prefix checked, model reduced), so splitting a
+    key on `/` gives back exactly the prefix, model, fingerprint, shard and hash."""
+    kb = KeyBuilder("tenant.a_1-x", dataclasses.replace(BASE, model="b/m/../x y"))
+    parts = kb.keys(H[:1])[0].split("/")
+    assert parts[0] == "tenant.a_1-x" and len(parts) == 5 and parts[4] == H[0].hex()
+    with pytest.raises(ValueError, match="cache_prefix"):
+        KeyBuilder("a/b", BASE)
 
 
 def test_same_layout_same_keys_across_processes():
     import subprocess
     import sys
 
-    from connector.keys import kv_signature
-
     code = ("from tests.unit.test_keys import BASE, H, _caches; from connector.keys import "
             "KeyBuilder, kv_signature; print(KeyBuilder('p', BASE).with_signature("
-            "kv_signature(_caches('HND'), 64, 'CPU_ATTN')).keys(H, 1)[0])")
+            "kv_signature(_caches('NHD'), 64, 'CPU_ATTN')).keys(H, 1)[0])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "random", "PATH": ""}).stdout
-    here = KeyBuilder("p", BASE).with_signature(kv_signature(_caches("HND"), 64, "CPU_ATTN"))
+    here = KeyBuilder("p", BASE).with_signature(kv_signature(_caches("NHD"), 64, "CPU_ATTN"))
     assert out.strip() == here.keys(H, 1)[0]

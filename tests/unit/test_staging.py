@@ -1,5 +1,5 @@
 """BlockStager against the store's own addressing: staged bytes must be exactly what a
-multi-buffer transfer would read or write at `BlockRegions.addresses`, for both cache layouts
+multi-buffer transfer would read or write at `ObjectPlan.addresses`, for both cache layouts
 (blocks on dim 0, and K/V split with blocks on dim 1), and in any block order."""
 
 from __future__ import annotations

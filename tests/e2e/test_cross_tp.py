@@ -1,0 +1,145 @@
+"""Sharing the store across TP sizes in real `vllm serve` (float32, so outputs compare exactly):
+a TP=2 engine fills the store, a fresh TP=1 engine takes most of its prompt tokens from it and
+gives the greedy tokens of an engine without the connector; then the TP=1 engine fills and a
+fresh TP=2 engine loads. Both sides run with `store_tp_size: 2` (the in-tree setting: each
+block is two objects of half the KV heads, whichever TP size wrote them).
+
+Three models: a Llama with 8 heads and 4 KV heads (GQA: each TP=2 rank moves its own shard, the
+TP=1 engine both), a Llama with sliding-window layers beside full attention (two KV cache
+groups: the sliding one stores and loads only its window), and a DeepSeek-V2 with MLA (one
+latent object per block, written by rank 0, read by every rank). With the GQA model also
+`store_tp_size: 1`: a TP=1 engine stores one object per block and each TP=2 rank reads its
+half of it.
+
+TP=2 on this 2-core host: `VLLM_CPU_OMP_THREADS_BIND=0|1` (one core per rank).
+
+Each output is compared with engines without the connector of both TP sizes. Where those two
+agree, the engine must give exactly their tokens. Where they disagree (a near-tie of the tiny
+random model that TP=2's other summation order tips, seen with MLA: the references part from
+the second token of one prompt), a reader of the other TP size's KV must give one of them: it
+was seen giving exactly the writer's, as a bit-exact copy of the writer's prefix should.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from devkit.tiny_model import make_tiny_llama, make_tiny_mla
+from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from tests.conftest import engine_extra
+
+FLOAT32 = ("--dtype", "float32")
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+START_TIMEOUT_S = 600
+MODELS = {
+    "gqa": lambda d: make_tiny_llama(d, hidden=256, heads=8, kv_heads=4),
+    "hybrid": lambda d: make_tiny_llama(d, heads=4, kv_heads=2, sliding_window=64),
+    "mla": lambda d: make_tiny_mla(d),
+}
+
+
+def distinct_prompts(seed: int, n: int = 3, tokens: int = 368) -> list[list[int]]:
+    """Prompts that share nothing, so every prompt's prefix can only come from the store."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(tokens)] for _ in range(n)]
+
+
+def engine(model: str, tp: int, master=None, prefix: str = "", store_tp: int = 2
+           ) -> VllmServer:
+    kv = connector_kv_config(engine_extra(master, cache_prefix=prefix,
+                                          store_tp_size=store_tp)) if master else None
+    # Two engine processes and a worker per rank start slowly on a shared 2-core host.
+    return VllmServer(model, kv, env=TP2_ENV if tp > 1 else {},
+                      extra_args=(*FLOAT32, "--tensor-parallel-size", str(tp))
+                      ).start(timeout=START_TIMEOUT_S)
+
+
+def serve(server: VllmServer, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+    before = server.metrics()
+    outputs = [server.complete(p) for p in prompts]
+    after = server.metrics()
+    return outputs, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def check_outputs(got: list, own: list, other: list) -> None:
+    """`own`'s tokens, or `other`'s where the references of the two TP sizes disagree."""
+    for g, a, b in zip(got, own, other, strict=True):
+        assert g == a or (a != b and g == b), (g, a, b)
+
+
+def check_from_store(delta: dict, prompts: list[list[int]], tp: int) -> None:
+    """At least half of the prompt tokens came from the store, on every rank, without errors;
+    the loads are counted under this engine's TP size and the stored layout's."""
+    hit = metric_sum(delta, "vllm:external_prefix_cache_hits_total")
+    assert hit >= 0.5 * sum(map(len, prompts)), (hit, sum(map(len, prompts)))
+    assert metric_sum(delta, "vllm:mooncake_pool_load_jobs_total", status="error") == 0
+    for rank in range(tp):
+        assert metric_sum(delta, "vllm:mooncake_pool_layout_keys_total", op="load",
+                          tp_rank=str(rank), tp_size=str(tp)) > 0
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, master, store_node):
+    model = str(MODELS[kind](tmp_path_factory.mktemp(f"cross-tp-{kind}")))
+    first, second = distinct_prompts(1), distinct_prompts(2)
+    prefix = f"cross-tp-{kind}"
+    # Engines without the connector, per TP size: TP=2 sums its partial results in another
+    # order, which can move a near-tie of a tiny random model (seen with MLA in float32).
+    third = distinct_prompts(3) if kind == "gqa" else []
+    want = {}
+    for tp in (1, 2):
+        ref = engine(model, tp)
+        try:
+            want[tp] = serve(ref, first)[0], serve(ref, second)[0], serve(ref, third)[0]
+        finally:
+            ref.stop()
+
+    tp2 = engine(model, 2, master, prefix)  # fills: each rank stores its objects
+    try:
+        filled, _ = serve(tp2, first)
+    finally:
+        tp2.stop()
+    assert filled == want[2][0]
+
+    tp1 = engine(model, 1, master, prefix)  # loads the TP=2 engine's blocks, then fills
+    try:
+        got, delta = serve(tp1, first)
+        check_outputs(got, want[1][0], want[2][0])
+        check_from_store(delta, first, 1)
+        filled, _ = serve(tp1, second)
+    finally:
+        tp1.stop()
+    assert filled == want[1][1]
+
+    tp2 = engine(model, 2, master, prefix)  # and the reverse
+    try:
+        got, delta = serve(tp2, second)
+    finally:
+        tp2.stop()
+    check_outputs(got, want[2][1], want[1][1])
+    check_from_store(delta, second, 2)
+    if third:
+        reads_slices(model, master, prefix + "-s1", third, want)
+
+
+def reads_slices(model: str, master, prefix: str, prompts: list, want: dict) -> None:
+    """store_tp_size 1: a TP=1 engine stores each block as one object; each rank of a TP=2
+    engine reads only its half of it (ranged gets), and saves nothing."""
+    tp1 = engine(model, 1, master, prefix, store_tp=1)
+    try:
+        filled, _ = serve(tp1, prompts)
+    finally:
+        tp1.stop()
+    assert filled == want[1][2]
+    tp2 = engine(model, 2, master, prefix, store_tp=1)
+    try:
+        got, delta = serve(tp2, prompts)
+    finally:
+        tp2.stop()
+    check_outputs(got, want[2][2], want[1][2])
+    check_from_store(delta, prompts, 2)
+    assert metric_sum(delta, "vllm:mooncake_pool_layout_keys_total", op="load",
+                      layout="kv_heads_slice") > 0
+    assert metric_sum(delta, "vllm:mooncake_pool_save_keys_total") == 0
