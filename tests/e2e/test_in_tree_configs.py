@@ -156,16 +156,22 @@ def test_disaggregated_prefill_and_decode_with_save_decode_cache(
                 server.stop()
 
 
-def test_store_tp_lcm_is_refused_with_the_reason(tiny_model, doc_master, connector_site,
-                                                 tmp_path):
-    """"Sharing one Store across multiple Prefill TP sizes": refused until cross-TP sharing
-    lands, with one line that names the setting and what to do."""
-    server = engine(tiny_model, connector_site, tmp_path, "lcm", doc_json(doc_master),
-                    by_name(enable_store_tp_lcm=True, prefill_tp_sizes=[4, 2]))
-    with pytest.raises(RuntimeError):
-        server.start()
-    assert "kv_connector_extra_config.enable_store_tp_lcm: not supported by this connector: " \
-           "refused until cross-TP sharing lands" in Path(server.log_path).read_text()
+def test_store_tp_lcm_shares_one_store_across_prefill_tp_sizes(tiny_model, doc_master, owner,
+                                                               connector_site, tmp_path):
+    """"Sharing one Store across multiple Prefill TP sizes": the doc's `enable_store_tp_lcm`
+    with `prefill_tp_sizes: [4, 2]` stores each block in lcm = 4 shares of the KV heads (the
+    tiny model's 2 KV heads: one per object, docs/layouts.md), and the engine hits its own
+    blocks with them."""
+    server = start(tiny_model, connector_site, tmp_path, "lcm", doc_json(doc_master),
+                   by_name(enable_store_tp_lcm=True, prefill_tp_sizes=[4, 2]))
+    try:
+        hit_twice(server, prompts(5))
+        total = server.metrics()  # saves in the first pass, loads in the second
+        for op in ("save", "load"):
+            assert metric_sum(total, PREFIX + "layout_keys_total", op=op, layout="kv_heads",
+                              store_tp_size="2", tp_size="1") > 0, op
+    finally:
+        server.stop()
 
 
 def test_disk_offloading_standalone_store(tiny_model, doc_master, owner, connector_site,
