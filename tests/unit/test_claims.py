@@ -27,7 +27,7 @@ PASSAGES = {
     "docs/observability.md": {"readme-tracing"},
     "docs/performance.md": {"readme-headlines", "readme-serve"},
     "docs/benchmark.md": {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
-                          "docs-serve"},
+                          "docs-serve", "docs-serve-gap"},
     "docs/disk-tier.md": {"docs-disk-tier"},
     "docs/reliability.md": {"frozen-get"},
     "docs/reliability-failover.md": {"failover-timeline", "failover-serve"},
