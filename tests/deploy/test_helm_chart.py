@@ -32,21 +32,13 @@ from tests.helm_kit import (
     RELEASE,
     ROOT,
     WITH_IMAGE,
-    Helm,
     arg_after,
     by_kind,
-    ensure_helm,
     env_of,
     kubernetes_validate,
     pod_specs,
     vllm_containers,
 )
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory) -> Helm:
-    return Helm(ensure_helm(), tmp_path_factory.mktemp("helm"))
-
 
 # ---------------------------------------------------------------- lint and validation
 

@@ -14,9 +14,7 @@ from tests.helm_kit import (
     HA_VALUES,
     PREFIX,
     RELEASE,
-    Helm,
     by_kind,
-    ensure_helm,
     env_of,
     vllm_containers,
 )
@@ -26,11 +24,6 @@ ETCD = f"{PREFIX}-etcd"
 BUNDLED = f"{ETCD}.llm.svc:2379"
 MASTER_LABELS = {"app.kubernetes.io/name": "mooncake-pooled-connector",
                  "app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": "master"}
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory) -> Helm:
-    return Helm(ensure_helm(), tmp_path_factory.mktemp("helm"))
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,7 @@ from tests.helm_kit import (
     HA_VALUES,
     PREFIX,
     RELEASE,
-    Helm,
     by_kind,
-    ensure_helm,
     env_of,
 )
 
@@ -25,11 +23,6 @@ RELEASE_PEER = {"podSelector": {"matchLabels": {
     "app.kubernetes.io/name": "mooncake-pooled-connector",
     "app.kubernetes.io/instance": RELEASE}}}
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory) -> Helm:
-    return Helm(ensure_helm(), tmp_path_factory.mktemp("helm"))
 
 
 def pod_templates(docs: list[dict]) -> dict[str, dict]:

@@ -13,21 +13,14 @@ import yaml
 from tests.helm_kit import (
     CHART,
     WITH_IMAGE,
-    Helm,
     arg_after,
     by_kind,
-    ensure_helm,
     env_of,
     kubernetes_validate,
     vllm_containers,
 )
 
 VALUES = CHART / "ci" / "tenants-disk-tier-values.yaml"
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory) -> Helm:
-    return Helm(ensure_helm(), tmp_path_factory.mktemp("helm"))
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,8 @@ def test_a_malformed_list_is_refused(text, error):
 
 
 def run_pytest(tmp_path: Path, listed: str) -> subprocess.CompletedProcess:
+    # A throwaway module whose skips are what the policy judges: it runs in its own pytest
+    # under tmp_path, never in this suite, and the tests below assert the run's verdict.
     (tmp_path / "test_s.py").write_text(
         "import pytest\n\n"
         "def test_runs():\n    pass\n\n"
