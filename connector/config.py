@@ -151,7 +151,9 @@ KEYS: tuple[Key, ...] = (
             "(multi-buffer transfers)"),
     Key("staging_buffer_size", "size", 16 * 2**20,
         "staging buffer per receive thread (and one for saves), 4 KiB..1 GiB; a job larger than "
-        "it is moved in several calls", lo=4096, hi=2**30, shown="`16MB`"),
+        "it is moved in several calls. Those of the receive threads taking jobs and of the "
+        "in-step thread are registered at startup, so no first store hit waits for it",
+        lo=4096, hi=2**30, shown="`16MB`"),
     Key("sync_load_ms", "float", 50.0,
         "loads expected to take at most this long (all of one engine step's together, from "
         "recent transfer times) run inside the step, which waits for them: the request's "

@@ -60,6 +60,7 @@ class SaveEvent:
     request_hash: str
     keys: int
     skipped: int
+    failed_keys: int  # offered but neither written nor already stored
     nbytes: int
     code: str
     failed_op: str  # "save" or "save_exists" when code is set

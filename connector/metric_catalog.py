@@ -99,6 +99,8 @@ FAMILIES: tuple[Family, ...] = (
            "How many blocks are being stored?"),
     Family("save_skipped_keys", "counter", _R, "Keys not written because the store already holds them.",
            "How much is deduplicated?"),
+    Family("save_error_keys", "counter", _R, "Store keys a save did not write: its put or existence check failed (a full store, a master outage), or it was dropped, expired or shut down first. Those blocks miss later. Keys written + skipped + failed = keys each finished request offered.",
+           "How much of what the engine computed never reaches the store?"),
     Family("layout_keys", "counter", ("tp_rank", "op", "layout", "group", "store_tp_size", "tp_size"),
            "Store objects this rank loaded or saved (op), by stored layout: kv_heads (a block's KV heads in store_tp_size shards, each object read whole), kv_heads_slice (part of a shard read by a rank of a larger TP size), latent (MLA: one object per block every rank reads); the KV cache group kind (full or sliding_window), and this engine's tp_size.",
            "Do engines of different TP sizes share blocks (loads where tp_size differs from store_tp_size)?"),
@@ -118,7 +120,7 @@ FAMILIES: tuple[Family, ...] = (
            "Is a store node or the master frozen under in-flight calls?"),
     Family("threads_replaced", "counter", ("tp_rank", "op"), "Job threads replaced by a fresh thread (and staging buffer) because their call outlived load_timeout_s or save_timeout_s.",
            "How often do store calls hang?"),
-    Family("staging_buffers", "gauge", _R, "Registered staging buffers: one per live job thread, plus those held by stuck threads until their calls return.",
+    Family("staging_buffers", "gauge", _R, "Registered staging buffers: one per live job thread (those of the receive threads taking jobs and of the in-step thread from startup, the save thread's from its first save), plus those held by stuck threads until their calls return.",
            "Is staging memory bounded while calls hang?"),
     Family("autotune_errors", "counter", _R, "Windows the load_threads: auto tuner could not judge (logged; tuning goes on).",
            "Is the auto tuner healthy?"),
@@ -178,7 +180,7 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     `tiers`: the per-tier series too (tier_metrics is on)."""
     keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens"]
     for rank in range(tp_size):
-        keys += [f"load_error_blocks|{rank}", f"autotune_errors|{rank}",
+        keys += [f"load_error_blocks|{rank}", f"save_error_keys|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
                  f"master_failovers|{rank}", f"master_down_seconds|{rank}",
                  f"master_probe_errors|{rank}"]

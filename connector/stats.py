@@ -127,6 +127,7 @@ class PooledStoreStats(KVConnectorStats):
             "load_error_blocks": int(totals["load_error_blocks"]),
             "save_keys": int(totals["save_keys"]),
             "save_skipped_keys": int(totals["save_skipped_keys"]),
+            "save_error_keys": int(totals["save_error_keys"]),
             "lookup_hit_tokens": int(totals["lookup_hit_tokens"]),
             "lookup_miss_tokens": int(totals["lookup_miss_tokens"]),
             "failures": int(totals["failures"]),
@@ -181,7 +182,7 @@ class StatsRecorder(Subscriber):
                        for t in (*range(threads), QUEUED_THREAD)]
         self._rkeys = {f: stat_key(f, tp_rank) for f in (
             "load_error_blocks", "save_ready_wait_seconds", "save_put_seconds", "save_bytes",
-            "save_keys", "save_skipped_keys")}
+            "save_keys", "save_skipped_keys", "save_error_keys")}
         self._ttft_keys = {m: stat_key("ttft_store_seconds", m) for m in TTFT_MODES} | {
             p: stat_key("ttft_store_phase_seconds", p) for p in TTFT_PHASES}
 
@@ -255,6 +256,7 @@ class StatsRecorder(Subscriber):
             self._c[k["save_bytes"]] += ev.nbytes
             self._c[k["save_keys"]] += ev.keys
             self._c[k["save_skipped_keys"]] += ev.skipped
+            self._c[k["save_error_keys"]] += ev.failed_keys
             if ev.code:
                 self._c[stat_key("failures", ev.tp_rank, ev.failed_op, ev.code)] += 1
 

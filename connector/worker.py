@@ -127,7 +127,8 @@ class MooncakeStoreWorker:
         self._io: tuple[GroupIO, ...] = ()  # per group: what this rank loads and saves
         self._layout_labels: tuple[tuple[str, ...], ...] = ()  # per group, for layout_keys
         self._regions: ObjectPlan | None = None  # group 0's load plan (memory, on_cuda)
-        self._staged = False  # staging buffers (per thread, made on first use) or multi-buffer
+        self._staged = False  # staging buffers (per thread, see _stager) or multi-buffer
+        self._spare: dict[int, list[BlockStager]] = {}  # per plan: registered, not yet taken
         self._disk_chunk = 0  # with a disk tier: most blocks per get call (see _disk_chunk_blocks)
         self._tls = threading.local()
         self._buffers_lock = threading.Lock()
@@ -254,12 +255,38 @@ class MooncakeStoreWorker:
             if rc != 0:
                 logger.error("register_buffer(%#x, %d) failed with %d; loads and saves on "
                              "this rank will fail and be recomputed", ptr, size, rc)
+        if self._staged:
+            self._warm_stagers(client)
 
-    def _stager(self, client: Any, plan: ObjectPlan) -> BlockStager | None:
-        """This thread's staging buffer for `plan`, made and registered on first use. Per
-        thread, not per slot: a thread stuck in a call keeps its buffer until the call
-        returns, and its replacement gets a fresh one. (One per plan: a hybrid model's groups,
-        or a load and a save plan that differ, each have their own.)"""
+    def _warm_stagers(self, client: Any) -> None:
+        """Register, at startup, the staging buffers of the load threads taking jobs now and
+        of the in-step thread: registering one publishes this client's segment to the
+        metadata server, a round trip the first store hit of each thread would otherwise pay
+        inside its deadline (seen on a loaded host: the metadata server's replies timing out
+        failed each thread's first load). One that fails is logged and made on first use."""
+        threads = self.pool.active + (self.step_pool is not None)
+        plans = {id(io.load): io.load for io in self._io}
+        try:
+            for key, plan in plans.items():
+                self._spare[key] = [self._new_stager(client, plan) for _ in range(threads)]
+        except RuntimeError as e:
+            logger.warning("%s at startup: made on first use instead", e)
+
+    def _new_stager(self, client: Any, plan: ObjectPlan) -> BlockStager:
+        stager = BlockStager(plan, self._num_blocks, self.config.staging_buffer_size)
+        rc = client.register_buffer(stager.buffer.data_ptr(), stager.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer of a staging buffer failed with {rc}")
+        with self._buffers_lock:
+            self.staging_buffers += 1
+        return stager
+
+    def _stager(self, client: Any, plan: ObjectPlan, load: bool = True) -> BlockStager | None:
+        """This thread's staging buffer for `plan`: for a load, one registered at startup if
+        one is left, else (and for a save) made and registered now. Per thread, not per slot:
+        a thread stuck in a call keeps its buffer until the call returns, and its replacement
+        gets a fresh one. (One per plan: a hybrid model's groups, or a load and a save plan
+        that differ, each have their own.)"""
         if not self._staged:
             return None
         stagers = getattr(self._tls, "stagers", None)
@@ -267,13 +294,12 @@ class MooncakeStoreWorker:
             stagers = self._tls.stagers = {}
         stager = stagers.get(id(plan))
         if stager is None:
-            stager = BlockStager(plan, self._num_blocks, self.config.staging_buffer_size)
-            rc = client.register_buffer(stager.buffer.data_ptr(), stager.nbytes)
-            if rc != 0:
-                raise RuntimeError(f"register_buffer of a staging buffer failed with {rc}")
-            stagers[id(plan)], self._tls.client = stager, client
             with self._buffers_lock:
-                self.staging_buffers += 1
+                spare = self._spare.get(id(plan)) if load else None
+                stager = spare.pop() if spare else None
+            if stager is None:
+                stager = self._new_stager(client, plan)
+            stagers[id(plan)], self._tls.client = stager, client
         return stager
 
     def _release_stager(self) -> None:
@@ -534,6 +560,12 @@ class MooncakeStoreWorker:
             job.released = True
         self.ledger.finish_save(job.transfer.req_id)
 
+    def _offered_keys(self, t: BlockTransfer) -> int:
+        """Store keys a save of `t` writes or finds stored when it succeeds: what a failed or
+        dropped one loses (save_error_keys)."""
+        plan = self._io[t.group].save
+        return len(t.block_hashes) * len(plan.shards) if plan else 0
+
     def _save_job(self, job: _Job, _slot: int, ticket: Ticket[_Job]) -> None:
         t = job.transfer
         t_start = time.perf_counter()
@@ -560,7 +592,7 @@ class MooncakeStoreWorker:
             skipped = len(keys) - len(new)
             if new:
                 new_keys, new_ids = [keys[i] for i in new], [units[i] for i in new]
-                stager = self._stager(client, plan)
+                stager = self._stager(client, plan, load=False)
                 if stager:  # reads the blocks from the first gather to the last
                     results = stager.put(client, new_keys, new_ids, ticket.touching,
                                          self._store.replicate)
@@ -591,9 +623,9 @@ class MooncakeStoreWorker:
         self._saves_failing = bool(code)
         self.events.save(SaveEvent(
             tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=stored, skipped=skipped,
-            nbytes=nbytes, code=code, failed_op=op, t_enqueue=job.t_enqueue, t_start=t_start,
-            t_ready=t_ready, t_exists_end=t_exists, t_end=time.perf_counter(),
-            trace_parent=job.trace_parent))
+            failed_keys=max(0, self._offered_keys(t) - stored - skipped), nbytes=nbytes,
+            code=code, failed_op=op, t_enqueue=job.t_enqueue, t_start=t_start, t_ready=t_ready,
+            t_exists_end=t_exists, t_end=time.perf_counter(), trace_parent=job.trace_parent))
 
     def _save_expired(self, job: _Job, reason: str, _slot: int | None) -> None:
         """A save past its deadline, dropped (preempted, or queued while saves fail) or queued
@@ -605,9 +637,10 @@ class MooncakeStoreWorker:
         t = job.transfer
         now = time.perf_counter()
         self.events.save(SaveEvent(
-            tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0, nbytes=0,
-            code=reason, failed_op="save", t_enqueue=job.t_enqueue, t_start=now, t_ready=now,
-            t_exists_end=now, t_end=now, trace_parent=job.trace_parent))
+            tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0,
+            failed_keys=self._offered_keys(t), nbytes=0, code=reason, failed_op="save",
+            t_enqueue=job.t_enqueue, t_start=now, t_ready=now, t_exists_end=now, t_end=now,
+            trace_parent=job.trace_parent))
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:

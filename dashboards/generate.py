@@ -395,11 +395,13 @@ ERRORS_AND_STORE = Dash(
               "Windows the load_threads: auto tuner could not judge (logged; tuning goes on)."),
         )),
         Row("Save path", (
-            P("Keys saved vs skipped (already stored)", "ops", (
+            P("Keys saved, skipped (already stored) and failed", "ops", (
                 (rate(series("save_keys")), "written"),
                 (rate(series("save_skipped_keys")), "skipped (dedup)"),
-            ), "Keys written to the store per second, and keys not written because the store "
-               "already holds them."),
+                (rate(series("save_error_keys")), "failed"),
+            ), "Keys written to the store per second, keys not written because the store "
+               "already holds them, and keys a failed or dropped save never wrote (they miss "
+               "later)."),
             P("Save put latency", "s", p50_p99("save_put_seconds", "tp_rank", "rank {{tp_rank}}"),
               "Store put of a save job's new blocks."),
             P("Save wait for KV ready", "s",

@@ -7,6 +7,7 @@ master's built-in HTTP metadata server. Not used by the connector itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,6 +231,23 @@ class StoreNode:
     def stop(self) -> None:
         stop_process(self.proc)
         self.proc = None
+
+
+@contextlib.contextmanager
+def local_pool(segment_size: str = "64MB", **master_kw) -> Iterator[tuple[MooncakeMaster,
+                                                                          StoreNode]]:
+    """A master (`MooncakeMaster(**master_kw)`) and one store node of the caller's own, to
+    freeze, kill or configure without touching shared ones. Both stop on exit, the master also
+    when the node fails to start."""
+    master = MooncakeMaster(**master_kw).start()
+    try:
+        node = StoreNode(master, segment_size=segment_size).start()
+        try:
+            yield master, node
+        finally:
+            node.stop()
+    finally:
+        master.stop()
 
 
 def segment_mounted(master: MooncakeMaster, family: str = "master_total_capacity_bytes"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -89,4 +90,20 @@ def run_step(worker: MooncakeStoreWorker, meta: StepMetadata, timeout: float = 3
     return seen, errors
 
 
+def settled_saves(worker, keys: int, timeout: float = 10.0) -> dict[str, float]:
+    """The worker's counters once its saves have accounted for exactly `keys` keys, written,
+    found stored or lost (a save reports its event just after it lets its request finish)."""
+    c: dict[str, float] = defaultdict(float)
 
+    def settled() -> float:
+        return sum(c[f"{f}|0"] for f in ("save_keys", "save_skipped_keys", "save_error_keys"))
+
+    deadline = time.monotonic() + timeout
+    while settled() < keys:
+        assert time.monotonic() < deadline, dict(c)
+        snap = worker.recorder.snapshot()
+        for k, v in (snap.data["c"].items() if snap else ()):
+            c[k] += v
+        time.sleep(0.01)
+    assert settled() == keys, dict(c)
+    return c

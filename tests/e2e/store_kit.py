@@ -26,12 +26,14 @@ def saved_blocks(prompts: list[list[int]]) -> int:
 
 
 def wait_for_saves(server: VllmServer, blocks: int, timeout: float = 120.0) -> None:
-    """Until the engine wrote (or found already stored) `blocks` blocks."""
+    """Until the engine's saves settled `blocks` blocks: wrote them, found them already stored,
+    or failed them (a store whose memory is full refuses puts until it evicts; those blocks
+    miss later, and the test's hit counts judge how many)."""
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        done = metric_sum(m, PREFIX + "save_keys_total") + \
-            metric_sum(m, PREFIX + "save_skipped_keys_total")
+        done = sum(metric_sum(m, f"{PREFIX}{fam}_total")
+                   for fam in ("save_keys", "save_skipped_keys", "save_error_keys"))
         if done >= blocks:
             return
         assert time.monotonic() < deadline, f"saves did not finish ({done} of {blocks} blocks)"

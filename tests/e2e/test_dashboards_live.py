@@ -160,7 +160,7 @@ def test_panels_show_the_workload(results, live):
     assert peak("load-pipeline.json", "Load jobs per second") > 0
     assert peak("load-pipeline.json", "Master lookup") > 0
     assert peak("load-pipeline.json", "Receive thread utilisation") > 0
-    assert peak("errors-and-store.json", "Keys saved vs skipped (already stored)") > 0
+    assert peak("errors-and-store.json", "Keys saved, skipped (already stored) and failed") > 0
     assert peak("errors-and-store.json", "Token hit rate") > 0
     assert peak("errors-and-store.json", "Keys in the store") > 0
     # More than one receive thread did work.

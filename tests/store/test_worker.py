@@ -14,8 +14,9 @@ import torch
 
 import connector.recv_pool as recv_pool
 from connector.metadata import BlockTransfer, StepMetadata
+from devkit.local_cluster import MooncakeMaster, StoreNode, local_pool
 from devkit.processes import freeze, frozen, thaw
-from tests.worker_kit import hashes, kv_caches, run_step, wait_until
+from tests.worker_kit import hashes, kv_caches, run_step, settled_saves, wait_until
 
 
 @pytest.fixture
@@ -171,13 +172,8 @@ def test_a_failed_existence_check_is_no_failure_when_the_put_succeeds(make_worke
 def own_cluster():
     """A master and store node of this module's own, to freeze (SIGSTOP) without touching the
     shared ones."""
-    from devkit.local_cluster import MooncakeMaster, StoreNode
-
-    master = MooncakeMaster().start()
-    node = StoreNode(master, segment_size="64MB").start()
-    yield master, node
-    node.stop()
-    master.stop()
+    with local_pool() as pool:
+        yield pool
 
 
 def in_put(w) -> bool:
@@ -307,13 +303,27 @@ def test_long_request_split_across_threads(make_worker):
         assert torch.equal(dst[name][:, 21:48], src[name][:, 21:48])
 
 
+def test_staging_buffers_are_registered_before_the_first_load(make_worker):
+    """Registering a buffer publishes the client's segment to the metadata server: a round trip
+    that the first store hit of each thread would pay inside its deadline. The load threads'
+    and the in-step thread's buffers are registered at startup, and the first loads take them
+    (only the save thread makes its own)."""
+    w = make_worker(prefix="warm", threads=2, **STAGED_2)
+    assert w.staging_buffers == w.pool.size + 1
+    hs = hashes("warm", 4)
+    save(w, "w", range(4), hs)
+    assert w.staging_buffers == w.pool.size + 2
+    done, errors = run_step(w, StepMetadata(loads=tuple(
+        BlockTransfer(f"r{i}", (10 + 2 * i, 11 + 2 * i), hs[2 * i:2 * i + 2]) for i in range(2))))
+    assert done == {"r0", "r1"} and not errors
+    assert w.staging_buffers == w.pool.size + 2  # no thread registered one of its own
+
+
 def test_saves_resume_once_the_store_takes_puts_again(make_worker_on):
     """Saves fail (a master without a store node: no segment to put into), then a store node
     mounts. Saves of finished requests are dropped while saves fail, but not all of them: a
     later save must reach the store, or the dropping would never end (seen: a worker that
     stored nothing after one failed put, every later save counted as abandoned)."""
-    from devkit.local_cluster import MooncakeMaster, StoreNode
-
     master = MooncakeMaster().start()
     node = None
     try:
@@ -330,6 +340,10 @@ def test_saves_resume_once_the_store_takes_puts_again(make_worker_on):
                 break
         assert stored, w.recorder.snapshot().data["c"]
         assert not w._saves_failing
+        # Every key offered is accounted for once: written, found stored, or lost (the failed
+        # put's two, and those of each save dropped or failed before the node mounted).
+        c = settled_saves(w, 2 * (i + 2))
+        assert c["save_error_keys|0"] >= 2 and c["save_keys|0"] >= 1, c
     finally:
         if node is not None:
             node.stop()

@@ -45,7 +45,7 @@ def rank_stats(rank: int, threads: int = 2) -> PooledStoreStats:
     for t in range(threads):
         rec.on_load(load_event(t, rank))
     rec.on_load(load_event(0, rank, code="-704"))
-    rec.on_save(SaveEvent(rank, "h", 3, 1, 3 * 4096, "", "save", 0, 0.1, 0.2, 0.3, 0.4))
+    rec.on_save(SaveEvent(rank, "h", 3, 1, 2, 3 * 4096, "", "save", 0, 0.1, 0.2, 0.3, 0.4))
     return rec.snapshot()
 
 
@@ -55,7 +55,7 @@ def test_aggregate_across_tp_ranks_keeps_rank_and_thread_identity():
     assert c["load_bytes|0|1"] == c["load_bytes|1|1"] == 4096
     assert c["load_jobs|0|0|ok"] == c["load_jobs|1|0|ok"] == 1
     assert c["failures|0|load|-704"] == c["failures|1|load|-704"] == 1
-    assert c["load_error_blocks|1"] == 4
+    assert c["load_error_blocks|1"] == 4 and c["save_error_keys|1"] == 2
     g = agg.data["g"]
     assert (g["load_queue_depth|0"], g["load_queue_depth|1"]) == (1, 2)  # one per rank
     assert len(agg.data["h"]["load_prepare_seconds|1|0"]) == 2

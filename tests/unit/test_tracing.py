@@ -69,9 +69,9 @@ def test_failed_load_sets_error_status_and_save_spans(traced):
     exp = make()
     exp.on_load(load_event(code="-704", sampled=False))
     t = time.perf_counter()
-    exp.on_save(SaveEvent(tp_rank=0, request_hash="ef", keys=2, skipped=1, nbytes=10, code="",
-                          failed_op="save", t_enqueue=t, t_start=t, t_ready=t, t_exists_end=t,
-                          t_end=t + 0.001))
+    exp.on_save(SaveEvent(tp_rank=0, request_hash="ef", keys=2, skipped=1, failed_keys=0,
+                          nbytes=10, code="", failed_op="save", t_enqueue=t, t_start=t,
+                          t_ready=t, t_exists_end=t, t_end=t + 0.001))
     exp.flush()
     names = sorted(s.name for s in memory.get_finished_spans())
     assert names == sorted(["mooncake.load", "queue_wait", "prepare", "transfer",
