@@ -29,13 +29,10 @@ EXTRA = {"cache_prefix": "save-deadline-e2e", "staging": "off", "load_threads": 
 
 @pytest.fixture(scope="module")
 def cluster():
-    from devkit.local_cluster import MooncakeMaster, StoreNode
+    from devkit.local_cluster import local_pool
 
-    master = MooncakeMaster().start()
-    node = StoreNode(master, segment_size="256MB").start()
-    yield master, node
-    node.stop()
-    master.stop()
+    with local_pool("256MB") as pool:
+        yield pool
 
 
 def engine(model: str, master, *args: str) -> VllmServer:

@@ -29,13 +29,10 @@ ZERO_COPY = {"staging": "off"}
 
 @pytest.fixture(scope="module")
 def cluster():
-    from devkit.local_cluster import MooncakeMaster, StoreNode
+    from devkit.local_cluster import local_pool
 
-    master = MooncakeMaster().start()
-    node = StoreNode(master, segment_size="64MB").start()
-    yield master, node
-    node.stop()
-    master.stop()
+    with local_pool() as pool:
+        yield pool
 
 
 def stored(make_worker_on, master, prefix: str, n: int = 8):

@@ -18,7 +18,7 @@ import pytest
 from connector.config import CLUSTER_ID_ENV, CONFIG_PATH_ENV
 from connector.doctor import TEST_OBJECT_BYTES
 from devkit.ha_cluster import Etcd, HaMaster
-from devkit.local_cluster import MooncakeMaster, StoreNode, free_port
+from devkit.local_cluster import MooncakeMaster, StoreNode, free_port, local_pool
 from devkit.processes import HOST
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,11 +51,8 @@ def doctor(master, tmp_path: Path, *args: str, metrics_port: int | None = None,
 
 @pytest.fixture(scope="module")
 def pool():
-    master = MooncakeMaster().start()
-    node = StoreNode(master, segment_size="64MB").start()
-    yield master, node
-    node.stop()
-    master.stop()
+    with local_pool() as p:
+        yield p
 
 
 def test_healthy_pool_passes_every_check_and_names_what_it_found(pool, tmp_path):
