@@ -122,6 +122,9 @@ class MooncakeMaster:
         self.proc = spawn(self.command(), Path(self.log_dir) / "master.log")
         wait_port(self.rpc_port, self.proc, "mooncake_master")
         wait_port(self.http_port, self.proc, "mooncake_master metadata server")
+        # It can open after the others (seen: a store node's start, asking it for the
+        # mounted segments, was refused).
+        wait_port(self.metrics_port, self.proc, "mooncake_master metrics server")
         return self
 
     def metrics_text(self) -> str:

@@ -74,10 +74,11 @@ def samples_of(metrics: dict[str, float], family) -> dict[str, float]:
 
 def test_every_family_has_samples(burst):
     _, after, _, _ = burst
-    # Counters of trouble a healthy engine never meets (a hung store call, a tuner error):
-    # exported at 0 from startup; the fault tests (test_deadlines) see them move.
+    # Counters of trouble a healthy engine never meets (a hung store call, a tuner error, a
+    # save that lost keys): exported at 0 from startup; the fault tests (test_deadlines,
+    # test_faults' full store) see them move.
     zero_when_healthy = {"threads_replaced", "autotune_errors", "master_failovers",
-                         "master_down_seconds", "master_probe_errors"}
+                         "master_down_seconds", "master_probe_errors", "save_error_keys"}
     # The per-tier families exist with a disk tier only (tier_metrics): test_disk_tier's
     # engines export them; this engine has none.
     tier_only = {"load_tier_tokens", "load_tier_bytes"}
