@@ -205,6 +205,12 @@ KEYS: tuple[Key, ...] = (
         "background", choices=("fail", "degrade"),
         fix="'fail' (refuse to start) or 'degrade' (serve without the cache and reconnect in "
             "the background)"),
+    Key("on_load_failure", "choice", "recompute",
+        "what a store load that fails costs its request: `recompute` (vLLM recomputes the "
+        "blocks; the connector sets vLLM's `kv_load_failure_policy` to `recompute`, whose "
+        "default `fail` would fail the request) or `fail` (vLLM fails the request)",
+        choices=("recompute", "fail"),
+        fix="'recompute' (a failed load costs a recompute) or 'fail' (it fails the request)"),
     Key("store_timeout_s", "float", 5.0, "connect timeout when probing the master at startup",
         lo=0.1, hi=600),
     Key("load_timeout_s", "float", 5.0,
@@ -433,6 +439,7 @@ class ConnectorConfig:
     master_lookup_sample_ratio: float = _d("master_lookup_sample_ratio")
     trace_sample_ratio: float | None = _d("trace_sample_ratio")
     on_master_unreachable: str = _d("on_master_unreachable")
+    on_load_failure: str = _d("on_load_failure")
     store_timeout_s: float = _d("store_timeout_s")
     load_timeout_s: float = _d("load_timeout_s")
     save_timeout_s: float = _d("save_timeout_s")

@@ -2,8 +2,9 @@
 
     --kv-transfer-config '{"kv_connector": "PooledMooncakeStoreConnector",
                            "kv_connector_module_path": "connector", "kv_role": "kv_both",
-                           "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {...}}'
+
+(vLLM's kv_load_failure_policy follows the connector's on_load_failure: connector.load_failures.)
 
 The module is imported by every vLLM process (API server, engine core, workers); the store
 client and torch-heavy code load only in the role that needs them.
@@ -18,13 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.config import ConfigError, load_config
+from connector.config import DEFAULT_TENANT, ConfigError, load_config
 from connector.groups import GroupError, groups_from_kv_cache_config
-from connector.keys import KeyBuilder, layout_from_vllm
+from connector.keys import KeyBuilder, check_disk_tier, layout_from_vllm
+from connector.load_failures import apply_policy, per_request
 from connector.metadata import StepMetadata, WorkerReport
 from connector.plugin import register
 from connector.stats import PooledStoreStats
@@ -76,8 +79,11 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.config = load_config(ktc.kv_connector_extra_config, kv_role=ktc.kv_role)
             self.groups = groups_from_kv_cache_config(kv_cache_config,
                                                       vllm_config.cache_config.block_size)
+            tenant = self.config.store.tenant_id
             layout = layout_from_vllm(vllm_config, self.config.model_id, self.config.store_tp,
-                                      latent=self.groups[0].latent)
+                                      latent=self.groups[0].latent,
+                                      tenant="" if tenant == DEFAULT_TENANT else tenant)
+            check_disk_tier(layout, self.config.enable_offload)
         except (ConfigError, GroupError, ValueError) as e:
             # One line that names the field and the fix, above vLLM's startup trace.
             logger.error("PooledMooncakeStoreConnector: invalid configuration: %s", e)
@@ -85,12 +91,15 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for note in self.config.notes:  # in-tree settings taken as their equivalents
             logger.info("PooledMooncakeStoreConnector: %s", note)
         self.keys = KeyBuilder(self.config.cache_prefix, layout, len(self.groups))
+        self._per_request_failures = per_request(self.groups)
         self.scheduler = None
         self.worker = None
         try:
             if role == KVConnectorRole.SCHEDULER:
                 from connector.scheduler import MooncakeStoreScheduler
 
+                for line in apply_policy(vllm_config, self.config.on_load_failure):
+                    logger.info("PooledMooncakeStoreConnector: %s", line)
                 self.scheduler = MooncakeStoreScheduler(
                     self.config, self.keys, vllm_config.cache_config.block_size, self.groups,
                     getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0))
@@ -228,8 +237,17 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                      ) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM polls: failures per request where the model has several KV cache groups
+        (connector.load_failures), else as block ids only (a partial hit survives)."""
+        sending, recving, failed = self.worker.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving,
+            failed_recving=failed if self._per_request_failures else set())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_load_errors()
+        errors = self.worker.get_load_errors()  # drained either way
+        return set() if self._per_request_failures else errors
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         """For the scheduler, after the step: the registered KV layout while it asks for it

@@ -69,7 +69,6 @@ class Context:
     metrics_port: int
     min_segments: int
     timeout: float | None
-    policy: str | None  # kv_load_failure_policy of a given kv-transfer-config, else None
     cfg: ConnectorConfig | None = None
     master: str = ""  # the serving master (HA: the leader) as host:port
     segments: list[dict[str, Any]] = field(default_factory=list)
@@ -103,15 +102,13 @@ def check_config(ctx: Context) -> str:
         ctx.cfg = load_config(ctx.extra, ctx.environ)
     except ConfigError as e:
         raise CheckFailed(str(e)) from None
-    if ctx.policy is not None and ctx.policy != "recompute":
-        raise CheckFailed(f"kv_load_failure_policy is {ctx.policy!r}: a failed load fails its "
-                          "request", 'set "kv_load_failure_policy": "recompute" in '
-                          "--kv-transfer-config (vLLM then recomputes the blocks)")
     s = ctx.cfg.store
     sources = sorted(set(ctx.cfg.source.values())) or ["defaults"]
+    # The connector sets vLLM's kv_load_failure_policy from on_load_failure at startup.
+    cost = "a recompute" if ctx.cfg.on_load_failure == "recompute" else "the request"
     return (f"master_server_address {s.master_server_address}, metadata_server "
             f"{s.metadata_server}, protocol {s.protocol}, cache_prefix {ctx.cfg.cache_prefix} "
-            f"(from {', '.join(sources)})")
+            f"(from {', '.join(sources)}); a failed load costs {cost}")
 
 
 def check_master(ctx: Context) -> str:
@@ -318,8 +315,8 @@ def run(ctx: Context, checks: list[Check] = CHECKS, out: TextIO | None = None) -
     return ok
 
 
-def _kv_transfer_config(text: str, where: str) -> tuple[dict[str, Any], str | None]:
-    """(extra_config, kv_load_failure_policy) from a kv-transfer-config or a bare extra_config."""
+def _kv_transfer_config(text: str, where: str) -> dict[str, Any]:
+    """The extra_config of a kv-transfer-config, or a bare extra_config."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -328,9 +325,8 @@ def _kv_transfer_config(text: str, where: str) -> tuple[dict[str, Any], str | No
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must hold a JSON object")
     if "kv_connector" in data or EXTRA in data:  # vllm serve's --kv-transfer-config
-        extra = data.get(EXTRA) or {}
-        return extra, data.get("kv_load_failure_policy", "fail")
-    return data, None
+        return data.get(EXTRA) or {}
+    return data
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -354,21 +350,20 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     a = p.parse_args(argv)
     environ = os.environ if environ is None else environ
     extra: dict[str, Any] = {}
-    policy = None
     try:
         if a.config:
             try:
                 with open(a.config, encoding="utf-8") as f:
-                    extra, policy = _kv_transfer_config(f.read(), f"--config {a.config}")
+                    extra = _kv_transfer_config(f.read(), f"--config {a.config}")
             except OSError as e:
                 raise ConfigError(f"--config: cannot read {a.config!r} ({e.strerror})") from None
         elif a.kv_transfer_config:
-            extra, policy = _kv_transfer_config(a.kv_transfer_config, "--kv-transfer-config")
+            extra = _kv_transfer_config(a.kv_transfer_config, "--kv-transfer-config")
     except ConfigError as e:
         print(f"FAIL config  {e}", flush=True)
         return 1
     ctx = Context(extra=extra, environ=environ, metrics_port=a.master_metrics_port,
-                  min_segments=a.min_segments, timeout=a.timeout, policy=policy)
+                  min_segments=a.min_segments, timeout=a.timeout)
     return 0 if run(ctx) else 1
 
 

@@ -44,7 +44,6 @@ class Layout:
     head_size: int
     num_layers: int
     tp_size: int  # this engine's: it picks which shards a rank moves, not their bytes
-    pp_rank: int = 0
     hash_algo: str = "sha256"
     cache_layout: str = ""
     revision: str = ""
@@ -52,6 +51,10 @@ class Layout:
     # handshake before the first request, so both sides key blocks by the real memory layout.
     kv_signature: str = ""
     store_tp_size: int = 0  # the in-tree setting (0: this engine's TP size)
+    # A Mooncake tenant other than the default one. A master started without
+    # --enable_multi_tenants ignores the client's tenant (one tenant reads another's objects),
+    # so the tenant is part of the keys: tenants never share a block on any master.
+    tenant: str = ""
 
     @property
     def shards(self) -> int:
@@ -62,8 +65,10 @@ class Layout:
     def fingerprint(self) -> str:
         text = json.dumps([
             self.model, self.revision, self.dtype, self.block_size, self.num_kv_heads,
-            self.shards, self.head_size, self.num_layers, self.pp_rank, self.hash_algo,
-            self.cache_layout, self.kv_signature])
+            # 0: the pipeline stage, always the first (layout_from_vllm refuses PP); kept so
+            # that keys stay the same.
+            self.shards, self.head_size, self.num_layers, 0, self.hash_algo,
+            self.cache_layout, self.kv_signature, *([self.tenant] if self.tenant else [])])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -130,8 +135,10 @@ class KeyBuilder:
 
 
 def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
-                     store_tp_size: int | None = None, latent: bool = False) -> Layout:
-    """The layout both the scheduler and the workers derive from vLLM's config (they must agree)."""
+                     store_tp_size: int | None = None, latent: bool = False,
+                     tenant: str = "") -> Layout:
+    """The layout both the scheduler and the workers derive from vLLM's config (they must
+    agree); `tenant`: the store client's, "" for the default tenant (keys as before tenants)."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
     algo = getattr(cc, "prefix_caching_hash_algo", "sha256")
@@ -146,6 +153,12 @@ def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
     except Exception:  # noqa: BLE001 - platform detection is best effort here
         device = ""
     tp = pc.tensor_parallel_size
+    if pc.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={pc.pipeline_parallel_size}: each pipeline stage holds "
+            "other layers, but the scheduler's lookups and the stored layout describe one "
+            "stage's; serve without pipeline parallelism (use tensor parallelism), or without "
+            "the connector")
     for cp in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if (getattr(pc, cp, 1) or 1) > 1:
             raise ValueError(f"{cp}={getattr(pc, cp)}: context parallelism splits a block's "
@@ -161,11 +174,24 @@ def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
         head_size=mc.get_head_size(),
         num_layers=mc.get_num_layers(pc),
         tp_size=tp,
-        pp_rank=(pc.rank // tp) % pc.pipeline_parallel_size,
         hash_algo=algo,
         cache_layout=device,
         store_tp_size=check_store_tp_size(store_tp_size, heads, tp),
+        tenant=tenant,
     )
+
+
+def check_disk_tier(layout: Layout, enable_offload: bool) -> None:
+    """Refuse a disk tier where this engine's ranks read slices of stored objects (a store
+    shard holds the KV heads of several ranks): Mooncake 0.3.13 serves such ranged gets from
+    memory replicas only, and fails them (-600) for an object on disk
+    (tests/store/test_disk_tier_worker.py), so every disk hit would fail."""
+    if enable_offload and layout.shards < min(layout.tp_size, layout.num_kv_heads):
+        raise ValueError(
+            f"enable_offload: with store_tp_size {layout.shards} below the TP size "
+            f"{layout.tp_size} each rank reads a slice of every stored object, which Mooncake "
+            "cannot serve from its disk tier; set store_tp_size to a multiple of "
+            f"{layout.tp_size}, or serve without the disk tier")
 
 
 def check_store_tp_size(store_tp_size: int | None, heads: int, tp_size: int = 1) -> int:

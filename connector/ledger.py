@@ -27,6 +27,7 @@ class RequestLedger:
         self._loads: Counter[str] = Counter()  # load jobs in flight per request
         self._saves: Counter[str] = Counter()  # save jobs in flight per request
         self._done_loads: set[str] = set()
+        self._failed_loads: set[str] = set()  # of _done_loads: some block did not load
         self._load_errors: set[int] = set()
         self._awaiting_free: set[str] = set()
 
@@ -48,7 +49,10 @@ class RequestLedger:
     def finish_load(self, req_id: str, failed_blocks: Iterable[int]) -> None:
         with self._lock:
             # Errors first: vLLM must see the bad blocks no later than the completion.
-            self._load_errors.update(failed_blocks)
+            failed = set(failed_blocks)
+            self._load_errors |= failed
+            if failed:  # any part failing fails the request's load (failed_recving)
+                self._failed_loads.add(req_id)
             self._loads[req_id] -= 1
             if self._loads[req_id] <= 0:  # the last part of the request's load
                 del self._loads[req_id]
@@ -64,13 +68,21 @@ class RequestLedger:
             self._lock.notify_all()
 
     # ---- what vLLM polls -------------------------------------------------------------------
-    def take_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """(finished_sending, finished_recving) for `get_finished`."""
+    def take_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving): the requests whose blocks are
+        free to go, whose loads ended, and of those the ones with a block that did not load."""
         with self._lock:
             recving, self._done_loads = self._done_loads, set()
+            failed = self._failed_loads & recving
+            self._failed_loads -= failed
             sending = {r for r in self._awaiting_free if not self._busy(r)}
             self._awaiting_free -= sending
-        return sending or None, recving or None
+        return sending, recving, failed
+
+    def failed_of(self, req_ids: set[str]) -> set[str]:
+        """Those of `req_ids` whose loads (ended) had a block that did not load."""
+        with self._lock:
+            return self._failed_loads & req_ids
 
     def take_load_errors(self) -> set[int]:
         with self._lock:

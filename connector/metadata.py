@@ -59,6 +59,9 @@ class StepMetadata(KVConnectorMetadata):
     # Requests preempted this step: their blocks may be reused by this step's forward, so
     # handle_preemptions waits for their in-flight saves first.
     preempted: tuple[str, ...] = ()
+    # With sync_loads: every request this step schedules; if an in-step load fails, none of
+    # them saves again (connector.save_guard).
+    in_step_peers: tuple[str, ...] = ()
     # The scheduler does not know the workers' KV layout yet: each worker answers with a
     # WorkerReport in this step's output.
     need_layout: bool = False

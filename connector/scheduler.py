@@ -35,6 +35,7 @@ from connector.config import ConnectorConfig
 from connector.events import LookupEvent, Publisher
 from connector.groups import FULL, ONE_FULL, GroupSpec, window_hit
 from connector.keys import KeyBuilder
+from connector.load_failures import in_step_allowed
 from connector.metadata import BlockTransfer, StepMetadata, WorkerReport
 from connector.stats import StatsRecorder
 from connector.step_loads import StepLoadPolicy
@@ -107,7 +108,9 @@ class MooncakeStoreScheduler:
         self.recorder = StatsRecorder()
         self.events = Publisher(self.recorder)
         self.clock = RequestClock(self.events, self._tp_size)  # where a store hit's TTFT goes
-        self._step_loads = StepLoadPolicy(config.sync_load_ms / 1e3)
+        # No in-step loads where a failed one could not be reported (connector.load_failures).
+        self._step_loads = StepLoadPolicy(
+            config.sync_load_ms / 1e3 if in_step_allowed(groups) else 0.0)
         # vLLM asks about every waiting request in one step: the wait for lookups is a budget
         # per step (reset in build_connector_meta), not per request.
         self._step_budget_s = config.lookup_wait_ms / 1e3
@@ -339,7 +342,9 @@ class MooncakeStoreScheduler:
         self._step_loads.new_step()
         meta = StepMetadata(loads=tuple(self._loads), sync_loads=tuple(self._sync_loads),
                             saves=tuple(saves), free_after_jobs=tuple(self._free_after),
-                            preempted=preempted, need_layout=not self._keys_ready)
+                            preempted=preempted, need_layout=not self._keys_ready,
+                            in_step_peers=tuple(so.num_scheduled_tokens)
+                            if self._sync_loads else ())
         self._loads.clear()
         self._sync_loads.clear()
         self._free_after.clear()

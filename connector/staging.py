@@ -40,9 +40,12 @@ def ranged_get(client: Any, keys: list[str], addrs: list[list[int]], sizes: list
     inside a TP=2 vLLM engine here its gets took 3 to 5 s and one rank's failed with -600
     after 3 s, while `get_into_ranges` moved the same ranges in milliseconds."""
     offs = list(src_offsets)
-    res = client.get_into_ranges(
-        [a[0] for a in addrs], [[k] for k in keys], [[[x - a[0] for x in a]] for a in addrs],
-        [[offs] for _ in keys], [[list(z)] for z in sizes])
+    # Each key's runs are addressed from its lowest one: offsets are unsigned (a block's later
+    # layers may lie below its first in memory).
+    bases = [min(a) for a in addrs]
+    dst = [[[x - b for x in a]] for a, b in zip(addrs, bases, strict=True)]
+    res = client.get_into_ranges(bases, [[k] for k in keys], dst, [[offs] for _ in keys],
+                                 [[list(z)] for z in sizes])
     return [next((r for r in ranges[0] if r < 0), sum(ranges[0])) for ranges in res]
 
 

@@ -47,6 +47,7 @@ from connector.ledger import RequestLedger
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.recv_pool import TIMEOUT, RecvPool, Ticket
 from connector.sampling import LookupProbe
+from connector.save_guard import UNSAFE_CODE, SaveGuard
 from connector.staging import BlockStager, ranged_get
 from connector.stats import StatsRecorder, WorkerGauges, stat_key
 from connector.store import (
@@ -171,6 +172,7 @@ class MooncakeStoreWorker:
             on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "load"),
         ) if config.sync_load_ms > 0 else None
         self._in_step: set[str] = set()  # in-step loads: never reported in finished_recving
+        self.save_guard = SaveGuard()  # no save of a request a failed in-step load may taint
         self._early_start = config.load_early_start and not zeroes_blocks
         self._early_meta: StepMetadata | None = None  # whose async loads begin_step queued
         self.load_clock = LoadClock()  # where a store hit's TTFT goes (connector.ttft)
@@ -330,7 +332,7 @@ class MooncakeStoreWorker:
             self._queue_loads(meta.loads, self.pool, time.perf_counter())
         self._early_meta = None
         if meta.sync_loads:
-            self._load_in_step(meta.sync_loads)
+            self._load_in_step(meta.sync_loads, meta.in_step_peers)
 
     def _queue_loads(self, transfers: Sequence[BlockTransfer], pool: RecvPool[_Job],
                      now: float) -> set[str]:
@@ -343,7 +345,7 @@ class MooncakeStoreWorker:
             pool.submit(_Job(p, now, ctx))
         return {p.req_id for p in parts}
 
-    def _load_in_step(self, transfers: Sequence[BlockTransfer]) -> None:
+    def _load_in_step(self, transfers: Sequence[BlockTransfer], peers: Sequence[str]) -> None:
         """Loads of requests this step's forward computes: the step waits for them. A load
         still running at the in-step deadline is expired: its blocks become load errors, which
         vLLM reads in this step's output, discarding what the step computed from them and
@@ -355,10 +357,17 @@ class MooncakeStoreWorker:
         while not self.ledger.wait_loaded(ids, step_deadline_s(self.config) + 1.0):
             logger.warning("an in-step load is still running past its deadline (a copy into "
                            "the KV cache under way?); the step waits for it")
+        failed = self.ledger.failed_of(ids)
+        if failed:  # this step's forward may read blocks the load did not fill
+            self.save_guard.load_failed(peers, failed)
         self.load_clock.reported(ids, time.perf_counter(), in_step=True)
 
     def start_save(self, meta: StepMetadata) -> None:
-        if not meta.saves:
+        saves, unsafe = self.save_guard.split(meta.saves)
+        now = time.perf_counter()
+        for t in unsafe:
+            self._save_lost(t, UNSAFE_CODE, now, None)
+        if not saves:
             return
         ready = None
         if self._regions is not None and self._regions.on_cuda:
@@ -366,10 +375,9 @@ class MooncakeStoreWorker:
 
             ready = torch.cuda.Event()
             ready.record()
-        now = time.perf_counter()
         ctx = self._context()
-        self.ledger.add_saves(t.req_id for t in meta.saves)
-        for t in meta.saves:
+        self.ledger.add_saves(t.req_id for t in saves)
+        for t in saves:
             self.save_pool.submit(_Job(t, now, ctx, ready))
 
     def note_free_after(self, meta: StepMetadata) -> None:
@@ -400,7 +408,11 @@ class MooncakeStoreWorker:
         """The registered layout's signature, for the scheduler's keys (handshake)."""
         return self._keys.layout.kv_signature
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str] = frozenset()
+                             ) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for vLLM's poll: failed_recving
+        holds the requests of finished_recving with a block that did not load (every failure
+        also reports its block ids, in get_load_errors, no later than this poll)."""
         if self._saves_failing or self.save_pool.stalled:
             # A finished request would hold its blocks until its queued saves expire; while
             # saves fail or hang, drop the ones that have not started instead. While they only
@@ -408,14 +420,21 @@ class MooncakeStoreWorker:
             self.save_pool.drop(lambda j: self.ledger.awaiting_free(j.transfer.req_id),
                                 ABANDONED_CODE, running=False,
                                 spare=0 if self.save_pool.stalled else 1)
-        sending, recving = self.ledger.take_finished()
+        self.save_guard.finished(finished_req_ids)
+        sending, recving, failed = self.ledger.take_finished()
         if recving:
             in_step = recving & self._in_step  # their requests run already: not vLLM's news
             self._in_step -= in_step
-            recving = (recving - in_step) or None
+            recving -= in_step
+            failed -= in_step
             if recving:
                 self.load_clock.reported(recving, time.perf_counter())
-        return sending, recving
+        return sending, recving, failed
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's older two-set poll (finished_sending, finished_recving), None for empty."""
+        sending, recving, _ = self.get_transfer_results()
+        return sending or None, recving or None
 
     def take_load_times(self) -> LoadTimes | None:
         """This step's finished loads, timed, for the scheduler (build_connector_worker_meta)."""
@@ -634,13 +653,16 @@ class MooncakeStoreWorker:
         self._release(job)
         if reason == TIMEOUT:
             self._saves_failing = True
-        t = job.transfer
+        self._save_lost(job.transfer, reason, job.t_enqueue, job.trace_parent)
+
+    def _save_lost(self, t: BlockTransfer, reason: str, t_enqueue: float, trace: Any) -> None:
+        """A save that wrote nothing: every key it offered is lost (save_error_keys)."""
         now = time.perf_counter()
         self.events.save(SaveEvent(
             tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0,
             failed_keys=self._offered_keys(t), nbytes=0, code=reason, failed_op="save",
-            t_enqueue=job.t_enqueue, t_start=now, t_ready=now, t_exists_end=now, t_end=now,
-            trace_parent=job.trace_parent))
+            t_enqueue=t_enqueue, t_start=now, t_ready=now, t_exists_end=now, t_end=now,
+            trace_parent=trace))
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:

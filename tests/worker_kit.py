@@ -44,10 +44,14 @@ def make_worker_on(monkeypatch):
     workers: list[MooncakeStoreWorker] = []
 
     def make(master, threads: int = 4, heads: int = 2, caches=None, prefix: str = "unit",
+             kv_heads: int = 2, tp_size: int = 1, store_tp: int = 0,
              **extra) -> MooncakeStoreWorker:
+        """`kv_heads`, `tp_size`, `store_tp`: the model's KV heads, the TP size (this is rank
+        0) and store_tp_size in the key layout; `heads`: this rank's, in the test caches."""
         cfg = load_config(master.store_config(global_segment_size=0, local_buffer_size="32MB",
                                               load_threads=threads, **extra), environ={})
-        layout = Layout("unit-model", "bfloat16", 32, 2, 32, LAYERS, 1)
+        layout = Layout("unit-model", "bfloat16", 32, kv_heads, 32, LAYERS, tp_size,
+                        store_tp_size=store_tp)
         w = MooncakeStoreWorker(cfg, KeyBuilder(prefix, layout), 0, NUM_BLOCKS)
         w.register_kv_caches(caches if caches is not None else kv_caches(heads))
         workers.append(w)

@@ -48,7 +48,8 @@ def test_evicted_blocks_load_from_disk_split_to_fit(make_worker_on, disk_cluster
     from mooncake.store import MooncakeDistributedStore
 
     src = kv_caches(HEADS, seed=3)
-    writer = make_worker_on(disk_cluster, caches=src, prefix="disk", staging="off")
+    writer = make_worker_on(disk_cluster, caches=src, prefix="disk", staging="off",
+                            kv_heads=HEADS)
     hs = hashes("disk", 32)
     save(writer, "w", range(32), hs)
     keys = writer._keys.keys(hs, 0)
@@ -71,7 +72,7 @@ def test_evicted_blocks_load_from_disk_split_to_fit(make_worker_on, disk_cluster
 
     # One get of 32 disk blocks (2 MiB) overflows the owner's 512 KiB buffer: all -10.
     whole = make_worker_on(disk_cluster, caches=kv_caches(HEADS, seed=None), prefix="disk",
-                           staging=staging)
+                           staging=staging, kv_heads=HEADS)
     _, errors = run_step(whole, StepMetadata(loads=(BlockTransfer("a", tuple(range(32)), hs),)))
     assert errors == set(range(32))
     assert whole.recorder.snapshot().data["c"]["failures|0|load|-10"] == 1
@@ -80,7 +81,8 @@ def test_evicted_blocks_load_from_disk_split_to_fit(make_worker_on, disk_cluster
     # 512 KiB), one after another, all loaded, byte-exact, and counted as served from disk.
     dst = kv_caches(HEADS, seed=None)
     split = make_worker_on(disk_cluster, caches=dst, prefix="disk", staging=staging,
-                           enable_offload=True, disk_staging_buffer_size=OWNER_BUFFER)
+                           enable_offload=True, disk_staging_buffer_size=OWNER_BUFFER,
+                           kv_heads=HEADS)
     assert split._disk_chunk == 6
     done, errors = run_step(split, StepMetadata(loads=(BlockTransfer("b", tuple(range(32)),
                                                                      hs),)))
@@ -91,6 +93,32 @@ def test_evicted_blocks_load_from_disk_split_to_fit(make_worker_on, disk_cluster
     assert c["load_tier_tokens|0|disk"] == 32 * 32 and "load_tier_tokens|0|memory" not in c
     assert c["load_tier_bytes|0|disk"] == 32 * BLOCK
     assert sum(v for k, v in c.items() if k.startswith("load_jobs|0|")) == 1  # one job
+
+    # A rank of a TP=2 engine reading store_tp_size 1 objects asks for its half of each (the
+    # ranged gets that work from memory, tests/store/test_layouts.py): Mooncake fails them for
+    # objects on disk. Why the connector refuses a disk tier for such layouts
+    # (connector.keys.check_disk_tier).
+    assert tiers_of(disk_cluster, keys) == {"disk"}
+    half = kv_caches(HEADS // 2, seed=None)
+    reader = make_worker_on(disk_cluster, caches=half, prefix="disk", staging=staging,
+                            enable_offload=True, disk_staging_buffer_size=OWNER_BUFFER,
+                            kv_heads=HEADS, tp_size=2, store_tp=1)
+    assert reader._io[0].load.src_offsets is not None
+    _, errors = run_step(reader, StepMetadata(loads=(BlockTransfer("c", tuple(range(32)), hs),)))
+    assert errors == set(range(32))
+    assert reader.recorder.snapshot().data["c"]["failures|0|load|-600"] >= 1
+
+
+def tiers_of(master, keys: list[str]) -> set[str]:
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", master.metadata_server, 0, 16 * 2**20, "tcp", "",
+                        master.address) == 0
+    try:
+        return tiers(client, keys)
+    finally:
+        client.close()
 
 
 def test_blocks_in_memory_are_counted_as_memory(make_worker_on, disk_cluster):

@@ -218,7 +218,6 @@ def test_bad_config_fails_the_config_line_only(tmp_path):
     gone = MooncakeMaster()
     rc, lines = doctor(gone, tmp_path, "--kv-transfer-config",
                        json.dumps({"kv_connector": "PooledMooncakeStoreConnector",
-                                   "kv_load_failure_policy": "recompute",
                                    "kv_connector_extra_config": {"load_threads": 0}}),
                        metrics_port=free_port())
     assert rc == 1

@@ -149,6 +149,26 @@ def test_a_rank_holding_part_of_an_object_reads_just_its_slice(workers, mode):
         assert sum(v for k, v in stats.items() if k.startswith("load_bytes|")) == 5 * block // 2
 
 
+def test_a_slice_reader_reads_layers_registered_above_the_next_in_memory(workers):
+    """Zero-copy ranged gets address each object's runs from the lowest one (offsets are
+    unsigned): with layers registered in the reverse of their order in memory, offsets taken
+    from the first run went negative and every ranged get raised."""
+    prefix = "slice-reversed"
+    layout = KVCacheLayout.LBNHC
+    full, _ = vllm_caches([(LAYERS, GQA)], NB, layout, seed=4)
+    full = dict(reversed(full.items()))
+    hs = hashes(prefix, 3)
+    save(workers(full, prefix, store_tp=1, layout=layout, staging="off"), "w", range(3), hs)
+    half, _ = vllm_caches([(LAYERS, dataclasses.replace(GQA, num_kv_heads=2))], NB, layout,
+                          seed=None)
+    half = dict(reversed(half.items()))
+    w = workers(half, prefix, tp=2, rank=1, store_tp=1, layout=layout, staging="off")
+    assert w._io[0].load.src_offsets is not None
+    assert load(w, "r", range(5, 8), hs) == set()
+    for name in LAYERS:
+        assert same(half[name][5:8], full[name][0:3, 2:4])
+
+
 def test_missing_slice_object_fails_only_its_blocks(workers):
     prefix = "slice-missing"
     full, _ = vllm_caches([(LAYERS, GQA)], NB, seed=3)

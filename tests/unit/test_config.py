@@ -200,7 +200,7 @@ def test_docs_key_table_and_quoted_error_match_the_catalogue():
                     .splitlines() if line.startswith("| `extraConfig` |"))
     assert set(re.findall(r"`([a-z_]+)`", helm_row.split("|")[3])) == \
         set(helm_extra_config()) | {"kv_connector_extra_config", "auto", "on", "off", "fail",
-                                    "degrade"}
+                                    "degrade", "recompute"}
     values = (root / "helm" / "mooncake-pooled-connector" / "values.yaml").read_text()
     assert "(VLLM_MOONCAKE_LOAD_RECV_THREADS), 1..64,\n  # or auto" in values
     quoted = re.search(r"`(kv_connector_extra_config\.load_threads: must be[^`]*)`",

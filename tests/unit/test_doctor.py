@@ -15,8 +15,7 @@ from connector.doctor import Check, CheckFailed, Context, _kv_transfer_config, m
 
 
 def ctx() -> Context:
-    return Context(extra={}, environ={}, metrics_port=9003, min_segments=1, timeout=1.0,
-                   policy=None)
+    return Context(extra={}, environ={}, metrics_port=9003, min_segments=1, timeout=1.0)
 
 
 def fail(_: Context) -> str:
@@ -45,10 +44,8 @@ def test_all_passing_is_true():
 def test_kv_transfer_config_or_bare_extra_config():
     full = {"kv_connector": "PooledMooncakeStoreConnector", "kv_connector_extra_config":
             {"cache_prefix": "p"}}
-    assert _kv_transfer_config(json.dumps(full), "x") == ({"cache_prefix": "p"}, "fail")
-    full["kv_load_failure_policy"] = "recompute"
-    assert _kv_transfer_config(json.dumps(full), "x")[1] == "recompute"
-    assert _kv_transfer_config('{"cache_prefix": "p"}', "x") == ({"cache_prefix": "p"}, None)
+    assert _kv_transfer_config(json.dumps(full), "x") == {"cache_prefix": "p"}
+    assert _kv_transfer_config('{"cache_prefix": "p"}', "x") == {"cache_prefix": "p"}
     with pytest.raises(ConfigError, match="--config f: not valid JSON"):
         _kv_transfer_config("{", "--config f")
 

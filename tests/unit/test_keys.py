@@ -23,12 +23,18 @@ STORE = {"master_server_address": "127.0.0.1:50051",
 @pytest.mark.parametrize("change", [
     {"model": "org/llama-70b"}, {"revision": "v2"}, {"dtype": "float16"}, {"block_size": 64},
     {"num_kv_heads": 4}, {"head_size": 64}, {"num_layers": 16}, {"store_tp_size": 4},
-    {"pp_rank": 1}, {"hash_algo": "xxhash"}, {"cache_layout": "cuda"},
+    {"tenant": "team-b"}, {"hash_algo": "xxhash"}, {"cache_layout": "cuda"},
 ])
 def test_any_layout_change_changes_every_key(change):
     a, b = KeyBuilder("p", BASE), KeyBuilder("p", dataclasses.replace(BASE, **change))
     assert a.fingerprint != b.fingerprint
     assert not set(a.all_shard_keys(H)) & set(b.all_shard_keys(H))
+
+
+def test_keys_of_the_default_tenant_are_those_stored_before_tenants_were_in_keys():
+    """Tenants namespace keys (a master without --enable_multi_tenants ignores the client's
+    tenant), but the default tenant's keys stay as they were: stores keep their hits."""
+    assert KeyBuilder("p", BASE).fingerprint == "f480b5c02f3cbe83"  # as before this change
 
 
 def test_the_writers_tp_size_is_not_part_of_the_key():
@@ -136,3 +142,50 @@ def test_same_layout_same_keys_across_processes():
                          check=True, env={"PYTHONHASHSEED": "random", "PATH": ""}).stdout
     here = KeyBuilder("p", BASE).with_signature(kv_signature(_caches("NHD"), 64, "CPU_ATTN"))
     assert out.strip() == here.keys(H, 1)[0]
+
+
+def _vllm_config(pp: int = 1, tp: int = 1):
+    """The fields layout_from_vllm reads, as vLLM's config holds them."""
+    from types import SimpleNamespace as NS
+
+    mc = NS(dtype="torch.float32", model="org/m", revision=None, use_mla=False,
+            get_total_num_kv_heads=lambda: 4, get_head_size=lambda: 64,
+            get_num_layers=lambda _pc: 2)
+    pc = NS(tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=0,
+            decode_context_parallel_size=1, prefill_context_parallel_size=1)
+    return NS(model_config=mc, cache_config=NS(cache_dtype="auto", block_size=32),
+              parallel_config=pc)
+
+
+def test_pipeline_parallelism_is_refused_with_the_field_named():
+    """Each stage holds other layers, while lookups and the stored layout describe one stage's."""
+    from connector.keys import layout_from_vllm
+
+    assert layout_from_vllm(_vllm_config(pp=1)).num_layers == 2
+    with pytest.raises(ValueError, match=r"^pipeline_parallel_size=2: .*serve without pipeline"):
+        layout_from_vllm(_vllm_config(pp=2))
+
+
+def test_a_tenant_other_than_the_default_has_keys_of_its_own():
+    from connector.keys import layout_from_vllm
+
+    plain, team = (KeyBuilder("p", layout_from_vllm(_vllm_config(), tenant=t)) for t in
+                   ("", "team-b"))
+    assert plain.fingerprint != team.fingerprint
+    assert not set(plain.all_shard_keys(H)) & set(team.all_shard_keys(H))
+
+
+
+def test_a_disk_tier_is_refused_where_ranks_read_slices():
+    """Mooncake fails ranged gets of objects on disk (tests/store/test_disk_tier_worker.py)."""
+    from connector.keys import check_disk_tier
+
+    slices = dataclasses.replace(BASE, tp_size=2, store_tp_size=1)
+    with pytest.raises(ValueError, match=r"^enable_offload: with store_tp_size 1 below the TP "
+                                         r"size 2 .*set store_tp_size to a multiple of 2"):
+        check_disk_tier(slices, True)
+    check_disk_tier(slices, False)
+    for whole in (dataclasses.replace(BASE, tp_size=2, store_tp_size=2),
+                  dataclasses.replace(BASE, tp_size=1, store_tp_size=2),
+                  dataclasses.replace(BASE, num_kv_heads=1, tp_size=2)):  # MLA: one latent
+        check_disk_tier(whole, True)

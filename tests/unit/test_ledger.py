@@ -14,7 +14,7 @@ def test_a_load_is_reported_even_while_an_old_save_runs():
     led.add_saves(["r"])          # an old save, still running
     led.add_loads(["r"])          # the resumed request's load
     led.finish_load("r", [4, 5])
-    assert led.take_finished() == (None, {"r"}) and led.take_load_errors() == {4, 5}
+    assert led.take_finished() == (set(), {"r"}, {"r"}) and led.take_load_errors() == {4, 5}
     led.finish_save("r")
     assert led.idle()
 
@@ -24,9 +24,9 @@ def test_split_load_reports_once_after_its_last_part():
     led.add_loads(["r", "r", "r"])
     led.finish_load("r", [])
     led.finish_load("r", [7])
-    assert led.take_finished() == (None, None)
-    led.finish_load("r", [])
-    assert led.take_finished() == (None, {"r"}) and led.take_load_errors() == {7}
+    assert led.take_finished() == (set(), set(), set())
+    led.finish_load("r", [])  # its last part loaded, an earlier one failed: the load failed
+    assert led.take_finished() == (set(), {"r"}, {"r"}) and led.take_load_errors() == {7}
 
 
 def test_free_waits_for_every_job():
@@ -35,9 +35,9 @@ def test_free_waits_for_every_job():
     led.add_loads(["s"])
     led.free_after(["s"])
     led.finish_save("s")
-    assert led.take_finished()[0] is None  # its load still runs
+    assert not led.take_finished()[0]  # its load still runs
     led.finish_load("s", [])
-    assert led.take_finished() == ({"s"}, {"s"})
+    assert led.take_finished() == ({"s"}, {"s"}, set())
 
 
 def test_preemption_wait_returns_when_saves_end_or_says_which_are_busy():
