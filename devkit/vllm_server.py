@@ -74,7 +74,6 @@ def connector_kv_config(extra: dict[str, Any]) -> dict[str, Any]:
         "kv_connector": "PooledMooncakeStoreConnector",
         "kv_connector_module_path": "connector",
         "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
 

@@ -178,15 +178,17 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
 _JUNK = np.full(1 << 20, 0x5A, dtype=np.uint8)  # bigger than any block: a get returns -600
 
 
-def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int]) -> list[str]:
-    """The store keys of `prompt`'s full blocks as `server` saved them, once all exist (the
-    save thread writes after the response returns)."""
+def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int],
+                      group: int = 0) -> list[str]:
+    """The store keys of `prompt`'s full blocks as `server` saved them in KV cache group
+    `group` (a full-attention one), once all exist (the save thread writes after the response
+    returns)."""
     from connector.keys import _slug
 
     text = "\n".join(server.metrics())
     fingerprint = re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',
                             text).group(1)
-    keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/g0s0of1/{h.hex()}"
+    keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/g{group}s0of1/{h.hex()}"
             for h in block_hashes(prompt)]
     deadline = time.monotonic() + 10
     while client.batch_is_exist(keys) != [1] * len(keys):
@@ -196,10 +198,10 @@ def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int]
 
 
 def corrupt_stored_block(server: VllmServer, client, prefix: str, prompt: list[int],
-                         index: int) -> str:
+                         index: int, group: int = 0) -> str:
     """Replace the stored object of one block of `prompt` with one of the wrong size, so the
     scheduler's lookup still hits but the worker's load fails with -600."""
-    key = stored_block_keys(server, client, prefix, prompt)[index]
+    key = stored_block_keys(server, client, prefix, prompt, group)[index]
     assert client.remove(key, True) == 0
     client.register_buffer(_JUNK.ctypes.data, _JUNK.nbytes)  # idempotent across calls
     assert client.batch_put_from([key], [_JUNK.ctypes.data], [_JUNK.nbytes]) == [0]

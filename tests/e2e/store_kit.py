@@ -13,8 +13,7 @@ PREFIX = "vllm:mooncake_pool_"
 
 def by_name(role: str = "kv_both", **extra: Any) -> dict[str, Any]:
     """A kv-transfer-config naming the connector only, as vLLM's usage doc names its own."""
-    cfg: dict[str, Any] = {"kv_connector": "PooledMooncakeStoreConnector", "kv_role": role,
-                           "kv_load_failure_policy": "recompute"}
+    cfg: dict[str, Any] = {"kv_connector": "PooledMooncakeStoreConnector", "kv_role": role}
     if extra:
         cfg["kv_connector_extra_config"] = extra
     return cfg

@@ -39,7 +39,6 @@ def ours(master, by_module: bool = False) -> dict:
 
 def multi(*members: dict) -> dict:
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": list(members)}}
 
 
