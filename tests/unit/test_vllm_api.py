@@ -1,0 +1,141 @@
+"""What changed in vLLM's connector API from 0.32 (the CPU build in .venv) to 0.33 (the image's
+version, scripts/unit_033.sh), checked under both: the sleep-mode hook 0.33 is the first to ask,
+and the MTP tail (`extra_retained_tokens`) that 0.33's in-tree coordinator adds to a sliding
+window (`_coverage_spec`), which `GroupSpec` applies for every version. Where the versions
+differ, a test says which behaviour it checks for which version."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import vllm
+from packaging.version import Version
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+from connector import PooledMooncakeStoreConnector
+from connector.groups import SLIDING, GroupSpec, groups_from_kv_cache_config
+from tests.unit.test_groups import BS, _Pool
+
+VLLM_033 = Version(vllm.__version__).release >= (0, 33)
+
+
+# ---- sleep mode ---------------------------------------------------------------------------
+def _ktc():
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="PooledMooncakeStoreConnector",
+                            kv_connector_module_path="connector", kv_role="kv_both")
+
+
+def _engine_config(model: str, sleep: bool, monkeypatch):
+    """vLLM's own config validation of `vllm serve MODEL --kv-transfer-config ...
+    [--enable-sleep-mode]`, on a platform that has sleep mode (CUDA/ROCm/XPU; the CPU platform
+    refuses it before any connector is asked, so it is stood in for here)."""
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_sleep_mode_available", lambda self: True)
+    return VllmConfig(model_config=ModelConfig(model=model, dtype="float32",
+                                               enable_sleep_mode=sleep),
+                      kv_transfer_config=_ktc())
+
+
+def test_the_connector_declares_sleep_mode_unsupported():
+    # Its KV caches are registered with the store once; sleep would free or remap them under
+    # transfers still addressing them.
+    assert PooledMooncakeStoreConnector.supports_sleep_mode(_ktc()) is False
+
+
+def test_a_sleep_mode_engine_with_the_connector(tiny_model, monkeypatch):
+    assert _engine_config(tiny_model, False, monkeypatch).kv_transfer_config is not None
+    if VLLM_033:
+        # 0.33 asks the connector at config time: the engine refuses to start, naming it.
+        with pytest.raises(ValueError,
+                           match="PooledMooncakeStoreConnector does not support sleep mode"):
+            _engine_config(tiny_model, True, monkeypatch)
+    else:
+        # 0.32 never asks (it has no supports_sleep_mode): the config is accepted. Only its
+        # CPU build is supported, whose platform refuses sleep mode on its own.
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+        assert not hasattr(KVConnectorBase_V1, "supports_sleep_mode")
+        assert _engine_config(tiny_model, True, monkeypatch).model_config.enable_sleep_mode
+
+
+# ---- the MTP tail below a sliding window (extra_retained_tokens) ---------------------------
+def _spec(window: int, retained: int = 0) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                             sliding_window=window, extra_retained_tokens=retained)
+
+
+def _coverage(window: int, retained: int) -> SlidingWindowSpec:
+    """The spec an external hit must cover: 0.33's in-tree `_coverage_spec` itself; 0.32's
+    in-tree coordinator has none (it ignores the tail), so there the window is widened as
+    0.33 does it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import coordinator
+
+    if VLLM_033:
+        return coordinator._coverage_spec(_spec(window, retained))
+    assert not hasattr(coordinator, "_coverage_spec")
+    return dataclasses.replace(_spec(window, retained), sliding_window=window + retained,
+                               extra_retained_tokens=0)
+
+
+# Tails that reach below the window's first block (in whole blocks the tail changes a hit only
+# where it crosses a block boundary; the checks below fail a case that would test nothing).
+WINDOW_TAILS = [(64, 2), (64, 3), (100, 30), (33, 1), (33, 31), (128, 32), (1000, 40)]
+
+
+@pytest.mark.parametrize("window, retained", WINDOW_TAILS)
+def test_needed_blocks_include_the_mtp_tail_as_vllm_allocates_it(window, retained):
+    g = GroupSpec(SLIDING, window, retained=retained)
+    mgr = dataclasses.make_dataclass("Mgr", ["sliding_window", "extra_retained_tokens"])(
+        window, retained)
+    cov = _coverage(window, retained)
+    cov_mgr = dataclasses.make_dataclass("Mgr", ["sliding_window", "extra_retained_tokens"])(
+        cov.sliding_window, cov.extra_retained_tokens)
+    widened = 0
+    for n in range(0, 80):
+        want = SlidingWindowManager.get_num_skipped_tokens(mgr, n * BS) // BS
+        assert g.first_needed(n, BS) == want, n
+        assert SlidingWindowManager.get_num_skipped_tokens(cov_mgr, n * BS) // BS == want, n
+        widened += want < GroupSpec(SLIDING, window).first_needed(n, BS)
+    assert widened, "the tail never reached below the window: the case tests nothing"
+
+
+@pytest.mark.parametrize("window, retained", WINDOW_TAILS)
+def test_sliding_hits_with_the_mtp_tail_match_the_in_tree_coverage(window, retained):
+    rng = random.Random(window * 100 + retained)
+    g = GroupSpec(SLIDING, window, retained=retained)
+    cov = _coverage(window, retained)
+    shorter = 0
+    for _ in range(300):
+        n, p = rng.randrange(1, 48), rng.choice([0.6, 0.9, 0.98])  # 0.98: long windows too
+        present = {i for i in range(n) if rng.random() < p}
+        _, want = SlidingWindowManager.find_longest_cache_hit(
+            list(range(n)), n * BS, [0], _Pool(present), cov, False, BS)
+        got = g.hit(present.__contains__, n, BS)
+        assert got * BS == want, (n, sorted(present))
+        shorter += got < GroupSpec(SLIDING, window).hit(present.__contains__, n, BS)
+    assert shorter, "the tail never changed a hit: the case tests nothing"
+
+
+@pytest.mark.parametrize("window, retained", WINDOW_TAILS)
+def test_a_sliding_group_saves_the_mtp_tail_a_replay_hit_needs(window, retained):
+    g = GroupSpec(SLIDING, window, retained=retained)
+    for prompt in range(33, 900, 13):
+        n = (prompt - 1) // BS
+        saved = {i for i, k in zip(range(n + 1), g.save_mask(0, n + 1, prompt, BS, 0),
+                                   strict=True) if k}
+        cov = _coverage(window, retained)
+        first = max(0, n * BS - cov.sliding_window + 1) // BS
+        assert set(range(first, n)) <= saved, (prompt, sorted(saved))
+
+
+def test_the_mtp_tail_is_read_from_vllms_kv_cache_config():
+    cfg = KVCacheConfig(1, [], [KVCacheGroupSpec(["a"], _spec(64, 3))])
+    assert groups_from_kv_cache_config(cfg, BS) == (GroupSpec(SLIDING, 64, ("a",), retained=3),)
