@@ -139,3 +139,69 @@ def test_a_sliding_group_saves_the_mtp_tail_a_replay_hit_needs(window, retained)
 def test_the_mtp_tail_is_read_from_vllms_kv_cache_config():
     cfg = KVCacheConfig(1, [], [KVCacheGroupSpec(["a"], _spec(64, 3))])
     assert groups_from_kv_cache_config(cfg, BS) == (GroupSpec(SLIDING, 64, ("a",), retained=3),)
+
+
+# ---- capacity-only consumers -----------------------------------------------------------------
+def _in_tree_capacity_only(file: str, cls: str):
+    """The in-tree store connector's own `_capacity_only` rule (a consumer that contributes its
+    segment and transfers no KV), as `cls.__init__` in `file` computes it: its assignments up to
+    `self._capacity_only`, read from the installed vLLM's source and run on a stand-in config
+    (statements that call anything but `.get`, or read what the stand-in lacks, are left out:
+    clients, block sizes, KV events). None where the class has no such rule."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = (Path(importlib.util.find_spec("vllm").origin).parent / "distributed" /
+            "kv_transfer" / "kv_connector" / "v1" / "mooncake" / "store" / file)
+    tree = ast.parse(path.read_text())
+    init = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == cls
+                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    names = [ast.unparse(s.targets[0]) if isinstance(s, ast.Assign) else None
+             for s in init.body]
+    if "self._capacity_only" not in names:
+        return None
+    stmts = [s for s in init.body[:names.index("self._capacity_only") + 1]
+             if isinstance(s, ast.Assign) and all(
+                 isinstance(c.func, ast.Attribute) and c.func.attr == "get"
+                 for c in ast.walk(s.value) if isinstance(c, ast.Call))]
+    codes = [compile(ast.Module([s], []), str(path), "exec") for s in stmts]
+
+    def rule(kv_role: str, extra: dict) -> bool:
+        ktc = SimpleNamespace(kv_role=kv_role, kv_connector_extra_config=extra)
+        ns = {"vllm_config": SimpleNamespace(kv_transfer_config=ktc), "kv_role": kv_role,
+              "self": SimpleNamespace()}
+        for code in codes[:-1]:
+            try:
+                exec(code, ns)  # vLLM's own statements, from its installed source
+            except (AttributeError, NameError):  # reads what the stand-in lacks: not the rule
+                pass
+        exec(codes[-1], ns)
+        return ns["self"]._capacity_only
+
+    return rule
+
+
+def test_capacity_only_consumers_neither_load_nor_save_as_in_tree():
+    from connector.config import load_config
+
+    rules = {f: _in_tree_capacity_only(f, c) for f, c in [
+        ("connector.py", "MooncakeStoreConnector"), ("scheduler.py", "MooncakeStoreScheduler"),
+        ("worker.py", "MooncakeStoreWorker")]}
+    assert rules["connector.py"] and rules["worker.py"], "the in-tree rule was not found"
+    # 0.33 is the first whose scheduler mirrors the rule (it then builds no coordinator).
+    assert (rules["scheduler.py"] is not None) == VLLM_033
+    base = {"master_server_address": "127.0.0.1:50051", "metadata_server": "P2PHANDSHAKE"}
+    seen = set()
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        for lookup in ({}, {"enable_lookup": True}, {"enable_lookup": False}):
+            for decode in ({}, {"save_decode_cache": True}, {"save_decode_cache": False}):
+                extra = {**lookup, **decode}
+                want = {f: r(role, extra) for f, r in rules.items() if r}
+                assert len(set(want.values())) == 1, (role, extra, want)  # mirrors agree
+                cfg = load_config({**base, **extra}, {}, kv_role=role)
+                ours = not cfg.enable_load and not cfg.enable_save
+                assert ours == want["connector.py"], (role, extra, cfg)
+                seen.add(ours)
+    assert seen == {True, False}
