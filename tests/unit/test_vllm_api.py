@@ -205,3 +205,33 @@ def test_capacity_only_consumers_neither_load_nor_save_as_in_tree():
                 assert ours == want["connector.py"], (role, extra, cfg)
                 seen.add(ours)
     assert seen == {True, False}
+
+
+# ---- lookahead block hashes (BlockStored.lookahead_token_ids) -------------------------------
+def test_block_hashes_stay_the_legacy_ones_with_a_kv_connector():
+    """The store keys are vLLM's block hashes, each over its block's tokens and its parent. 0.33
+    can hash tokens beyond a block too (EAGLE block drop; `BlockStored.lookahead_token_ids`
+    publishes them) but keeps the legacy hashes whenever a KV connector is configured; 0.32
+    has no lookahead hashes."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import BlockStored
+
+    if not VLLM_033:
+        assert not hasattr(VllmConfig, "num_hash_lookahead_tokens")
+        assert "lookahead_token_ids" not in BlockStored.__struct_fields__
+        return
+    assert BlockStored.__struct_defaults__[-1] is None
+    assert BlockStored.__struct_fields__[-1] == "lookahead_token_ids"
+
+    def lookahead(ktc) -> int:  # a target with an EAGLE drafter reading 3 tokens ahead
+        spec = SimpleNamespace(use_eagle_block_drop=lambda: True,
+                               disable_lookahead_block_hashes=False)
+        cfg = SimpleNamespace(speculative_config=spec, kv_transfer_config=ktc,
+                              cache_config=SimpleNamespace(enable_prefix_caching=True),
+                              num_prefill_lookahead_tokens=3)
+        return VllmConfig.num_hash_lookahead_tokens.fget(cfg)
+
+    assert lookahead(None) == 3  # without a connector, this engine hashes lookahead tokens
+    assert lookahead(_ktc()) == 0
