@@ -51,6 +51,11 @@ def test_the_connector_declares_sleep_mode_unsupported():
 
 
 def test_a_sleep_mode_engine_with_the_connector(tiny_model, monkeypatch):
+    from vllm.config import ModelConfig
+
+    # Where the tests run (vLLM's CPU platform, 0.32 or 0.33) sleep mode is refused first.
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        ModelConfig(model=tiny_model, dtype="float32", enable_sleep_mode=True)
     assert _engine_config(tiny_model, False, monkeypatch).kv_transfer_config is not None
     if VLLM_033:
         # 0.33 asks the connector at config time: the engine refuses to start, naming it.
@@ -59,7 +64,7 @@ def test_a_sleep_mode_engine_with_the_connector(tiny_model, monkeypatch):
             _engine_config(tiny_model, True, monkeypatch)
     else:
         # 0.32 never asks (it has no supports_sleep_mode): the config is accepted. Only its
-        # CPU build is supported, whose platform refuses sleep mode on its own.
+        # CPU build is supported, whose platform refuses sleep mode on its own (above).
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
         assert not hasattr(KVConnectorBase_V1, "supports_sleep_mode")
