@@ -1,8 +1,9 @@
 """What changed in vLLM's connector API from 0.32 (the CPU build in .venv) to 0.33 (the image's
-version, scripts/unit_033.sh), checked under both: the sleep-mode hook 0.33 is the first to ask,
-and the MTP tail (`extra_retained_tokens`) that 0.33's in-tree coordinator adds to a sliding
-window (`_coverage_spec`), which `GroupSpec` applies for every version. Where the versions
-differ, a test says which behaviour it checks for which version."""
+version, scripts/unit_033.sh), checked under both: the sleep-mode hook 0.33 is the first to ask;
+the MTP tail (`extra_retained_tokens`) that 0.33's in-tree coordinator adds to a sliding window
+(`_coverage_spec`), which `GroupSpec` applies for every version; the in-tree capacity-only
+consumer (`_capacity_only`); and the lookahead block hashes 0.33 keeps off with a connector.
+Where the versions differ, a test says which behaviour it checks for which version."""
 
 from __future__ import annotations
 
