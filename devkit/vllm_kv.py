@@ -20,9 +20,13 @@ def vllm_caches(groups: list[tuple[list[str], object]], num_blocks: int,
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
     from vllm.v1.worker.utils import allocate_kv_cache
+
+    try:  # vLLM 0.33 moved the KV cache planning out of kv_cache_utils (same function)
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 
     layout = layout or CPUAttentionBackend.supported_kv_cache_layouts()[0]
     specs = [KVCacheGroupSpec(list(names), spec) for names, spec in groups]

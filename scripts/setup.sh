@@ -43,7 +43,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$PY" -m pip install -q --no-deps -e .
   echo "$want" > "$stamp"
 fi
-for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh scripts/setup_checks.sh; do
+for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh scripts/setup_checks.sh scripts/setup_vllm_image.sh; do
   "$extra"
 done
 "$VENV/bin/vllm" --version >/dev/null
