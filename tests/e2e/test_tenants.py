@@ -7,7 +7,10 @@ What must hold (issue 21):
 - the other tenant's hit rate on its hot prefixes is the same before and after the flood;
 - every request of both completes with the outputs of an engine without the connector (float32);
 - a put rejected by the quota is on the flooding engine's /metrics with its code (-1700);
-- the Tenants row of the dashboard shows all of it from a real Prometheus.
+- the Tenants row of the dashboard shows all of it from a real Prometheus;
+- an engine of one tenant sending another tenant's exact prompts takes no token from the
+  store, on a master in multi-tenant mode and on one without it (which ignores the client's
+  tenant: the tenant is part of the store keys, connector.keys).
 """
 
 from __future__ import annotations
@@ -140,6 +143,7 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
 
         after_out, after = serve(hot, HOT_PROMPTS)
         rate_after = hit_rate(after, HOT)
+        crossed_out, crossed = serve(flood, HOT_PROMPTS)  # the hot tenant's exact prompts
         time.sleep(4)  # the last stats reach the API servers and are scraped
         end = time.time()
 
@@ -147,7 +151,9 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
               f"after {rate_after:.3f}")
         # Every request of both tenants: the outputs of an engine without the connector.
         want_hot = [reference[tuple(p)] for p in HOT_PROMPTS]
-        assert first == before_out == after_out == want_hot
+        assert first == before_out == after_out == crossed_out == want_hot
+        assert metric_sum(crossed, "vllm:external_prefix_cache_hits_total") == 0
+        assert metric_sum(crossed, PREFIX + "lookup_miss_tokens_total") > 0  # it looked
         want_flood = [reference[tuple(p)] for p in FLOOD_PROMPTS]
         assert flood_first == want_flood and flood_second == want_flood
         # The hot tenant's hit rate is unchanged, and it is a real hit rate.
@@ -180,3 +186,27 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
         for server in (flood, hot):
             server.stop()
         prom.stop()
+
+
+def test_tenants_share_no_block_on_a_master_without_tenants(tiny_model, master, store_node,
+                                                            prompts, reference_outputs):
+    """The session's master runs without --enable_multi_tenants, so it ignores tenant_id:
+    tenant b, sending tenant a's exact prompts, still misses every block."""
+    a, b = (VllmServer(tiny_model, connector_kv_config(master.store_config(
+        global_segment_size=0, local_buffer_size="64MB", tenant_id=t,
+        cache_prefix="plain-tenants"))) for t in ("team-a", "team-b"))
+    try:
+        a.start()
+        assert serve(a, prompts)[0] == reference_outputs
+        # Blocks of the prompts' shared prefixes are computed (and saved) once.
+        wait_for_saves(a, len({tuple(p[:i + BLOCK_SIZE]) for p in prompts
+                               for i in range(0, len(p) - BLOCK_SIZE + 1, BLOCK_SIZE)}))
+        assert metric_sum(serve(a, prompts)[1], "vllm:external_prefix_cache_hits_total") > 0
+        b.start()
+        out, delta = serve(b, prompts)
+        assert out == reference_outputs
+        assert metric_sum(delta, PREFIX + "lookup_miss_tokens_total") > 0  # it looked
+        assert metric_sum(delta, "vllm:external_prefix_cache_hits_total") == 0
+    finally:
+        b.stop()
+        a.stop()
