@@ -3,7 +3,8 @@ to it. Shared by the tests, the demo and the benchmark.
 
 Engines run in float32 unless told otherwise, and their completions refuse to be compared for
 equality unless they ran in float32 (`Completion`): output equality is how the tests tell a
-right block from a wrong one, and in bfloat16 it depends on the CPU.
+right block from a wrong one, and in bfloat16 it depends on the CPU. The attention backend is
+pinned (`attention_backend`) so that the CPU does not choose it either.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,23 @@ REPO = Path(__file__).resolve().parent.parent
 EXACT_DTYPE = "float32"
 # What operators serve in: for benchmarks, which time engines and assert no outputs equal.
 SERVING_DTYPE = "bfloat16"
+# Attention backends that serve every model kind in EXACT_DTYPE on every x86 CPU. Unpinned,
+# vLLM's CPU platform gives an MLA model AMX_MLA where the CPU has AMX tiles (it takes bfloat16
+# weights only: a float32 engine dies loading its weights, "expect weight to be bfloat16 ...")
+# and CPU_MLA elsewhere (vllm/platforms/cpu.py, get_attn_backend_cls); other models get
+# CPU_ATTN on every x86 CPU. Pinned, an engine runs the same kernels on every CPU kind.
+MLA_BACKEND = "CPU_MLA"
+ATTN_BACKEND = "CPU_ATTN"
+
+
+# Whether TP=1 engines run their worker inside the engine-core process (vLLM's "uni" executor,
+# VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of a worker process of its own ("mp", what vLLM
+# picks on CPU): one process fewer to spawn and import torch and vLLM in at every start. The
+# tests set it (tests/conftest.py); benchmarks keep vLLM's default so their numbers compare.
+IN_PROCESS_TP1 = False
+# Called as listener(server, seconds) after every start that served, whether or not it did:
+# the suite counts engine starts per test file with it (tests/suite_times.py).
+START_LISTENERS: list[Callable[[VllmServer, float], None]] = []
 
 
 class InexactComparison(TypeError):
@@ -67,6 +86,49 @@ class Completion(list):
     def __ne__(self, other: object) -> bool:
         eq = self.__eq__(other)
         return eq if eq is NotImplemented else not eq
+
+
+def uses_mla(model: str) -> bool:
+    """Whether a local model directory declares multi-head latent attention (DeepSeek's
+    `kv_lora_rank`, which vLLM's `ModelConfig.use_mla` reads); a hub name is not a test model."""
+    config = Path(model) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("kv_lora_rank"))
+
+
+def attention_backend(model: str) -> str:
+    """The backend an engine of `model` is pinned to (`--attention-backend`)."""
+    return MLA_BACKEND if uses_mla(model) else ATTN_BACKEND
+
+
+def cpu_backend_choice(use_mla: bool, pinned: str | None) -> str:
+    """The backend vLLM's CPU platform gives a model on this CPU with `pinned` requested (None:
+    vLLM's own choice): what an engine started here will run."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    selected = AttentionBackendEnum[pinned] if pinned else None
+    cfg = AttentionSelectorConfig(head_size=576 if use_mla else 64, dtype=None,
+                                  kv_cache_dtype=None, block_size=None, use_mla=use_mla)
+    path = CpuPlatform.get_attn_backend_cls(selected, cfg)
+    return next(b.name for b in AttentionBackendEnum if b.value == path)
+
+
+def backend_problem(backend: str, dtype: str, use_mla: bool) -> str | None:
+    """Why `backend` cannot serve a model of this kind in `dtype`, in one line naming the
+    backend and its constraint (None: it can), so an engine that would not start on a CPU kind
+    fails its check with the cause."""
+    import torch
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cls = AttentionBackendEnum[backend].get_class()
+    if cls.is_mla() != use_mla:
+        return (f"attention backend {backend} is {'an' if cls.is_mla() else 'not an'} MLA "
+                f"backend, for a model {'with' if use_mla else 'without'} MLA")
+    if not cls.supports_dtype(getattr(torch, dtype)):
+        return (f"attention backend {backend} takes {[str(d) for d in cls.supported_dtypes]} "
+                f"weights, not {dtype}: pin one that does (devkit.vllm_server.attention_backend)")
+    return None
 
 
 def connector_kv_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -123,6 +185,7 @@ class VllmServer:
     dtype: str = EXACT_DTYPE  # benchmarks that compare no outputs may run bfloat16
     proc: subprocess.Popen | None = None
     cwd: Path = REPO  # where vllm serve runs (outside the checkout to test an installed wheel)
+    in_process: bool = field(default_factory=lambda: IN_PROCESS_TP1)  # see IN_PROCESS_TP1
 
     @property
     def url(self) -> str:
@@ -133,22 +196,51 @@ class VllmServer:
             str(Path(sys.executable).parent / "vllm"), "serve", self.model,
             "--host", HOST, "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
             "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
-            "--max-num-seqs", "32", "--seed", "0", "--enforce-eager", *self.extra_args,
+            "--max-num-seqs", "32", "--seed", "0", "--enforce-eager",
+            "--attention-backend", attention_backend(self.model), *self.extra_args,
         ]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
         return cmd
 
+    @property
+    def tp_size(self) -> int:
+        args = list(self.extra_args)
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if flag in args:
+                return int(args[args.index(flag) + 1])
+        return 1
+
     def start(self, timeout: float = 240.0) -> VllmServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **self.env}
+        if self.in_process and self.tp_size == 1:
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        began = time.monotonic()
         self.proc = spawn(self.command(), self.log_path, env=env, cwd=self.cwd)
         try:
             wait_http(self.url + "/health", self.proc, "vllm serve", timeout)
+            refused = self.backend_refusal()
+            if refused:
+                raise RuntimeError(f"vllm serve did not run the pinned attention backend: "
+                                   f"{refused}")
         except (RuntimeError, TimeoutError) as e:
             self.stop()
             raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
+        finally:
+            for listener in START_LISTENERS:
+                listener(self, time.monotonic() - began)
         return self
+
+    def backend_refusal(self) -> str | None:
+        """vLLM's line saying it refused the requested attention backend ("Cannot use X backend
+        on CPU."), if it logged one: it then ran another, chosen by the CPU."""
+        try:
+            text = Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return None
+        return next((line.strip() for line in text.splitlines() if "Cannot use " in line
+                     and " backend on " in line), None)
 
     def log_tail(self, lines: int = 60) -> str:
         try:
