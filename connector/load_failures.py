@@ -17,13 +17,10 @@ A store fault must cost at most a recompute. Two things in vLLM decide whether i
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
 from connector.groups import GroupSpec
-
-logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 def per_request(groups: tuple[GroupSpec, ...]) -> bool:
