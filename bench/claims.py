@@ -69,6 +69,12 @@ class Runs:
         return self._json("frozen-peer.json")["frozen_get"]
 
     @cached_property
+    def suite_times(self) -> dict[str, Any] | None:
+        """The recorded suite run (tests/suite_times.py), or None before one is committed."""
+        path = self.docs / "suite-times.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    @cached_property
     def demo(self) -> str:
         return (self.docs / "demo.txt").read_text()
 
@@ -619,6 +625,42 @@ def frozen_get(r: Runs) -> str:
             "master")
 
 
+def suite_times(r: Runs) -> str:
+    """Each part of `scripts/test.sh` (its phases, and the fast tier) with its time, tests and
+    engine starts, then the starts per test file, from docs/suite-times.json."""
+    t = r.suite_times
+    if t is None:
+        return ("\nNo run recorded yet: `RECORD_SUITE_TIMES=1 scripts/test.sh` (and "
+                "`RECORD_SUITE_TIMES=1 scripts/test.sh --fast`) write `docs/suite-times.json`, "
+                "then `python -m bench.claims` writes this table.\n")
+    parts = t["parts"]
+    rows = [f"| {name} | {p['wall_s'] / 60:.1f} min | {p['tests']} | {p['engine_starts']} | "
+            f"{p['engine_start_s'] / 60:.1f} min |" for name, p in sorted(parts.items())]
+    whole = [p for name, p in parts.items() if name.startswith("phase")]
+    if whole:
+        rows.append(f"| **the whole command** | **{sum(p['wall_s'] for p in whole) / 60:.1f} "
+                    f"min** | {sum(p['tests'] for p in whole)} | "
+                    f"{sum(p['engine_starts'] for p in whole)} | "
+                    f"{sum(p['engine_start_s'] for p in whole) / 60:.1f} min |")
+    files: dict[str, int] = {}
+    for p in parts.values():
+        for f, n in p["starts_per_file"].items():
+            files[f] = files.get(f, 0) + n
+    per_file = "\n".join(f"| `{f}` | {n} |" for f, n in sorted(files.items()))
+    return f"""
+Measured by `RECORD_SUITE_TIMES=1 scripts/test.sh` at commit {t['commit']}, {t['recorded']}, on
+{t['cpus']} CPUs ({t['cpu_model']}); the setup and `ruff` before the phases are not counted.
+
+| part | wall time | tests | engine starts | of which starting engines |
+|---|---|---|---|---|
+{chr(10).join(rows)}
+
+| test file | engine starts |
+|---|---|
+{per_file}
+"""
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
     "failover-timeline": failover_timeline,
     "failover-serve": failover_serve,
@@ -635,6 +677,7 @@ RENDERERS: dict[str, Callable[[Runs], str]] = {
     "readme-serve": readme_serve,
     "docs-disk-tier": docs_disk_tier,
     "layouts-table": layouts_table,
+    "suite-times": suite_times,
 }
 
 

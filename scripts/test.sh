@@ -1,13 +1,63 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite: unit tests, real Mooncake master + store
-# node, real vLLM engines, helm, promtool, Prometheus, an OTLP collector (its duration:
-# docs/development.md); pass pytest arguments to narrow it (e.g. scripts/test.sh -k worker). Every
-# skipped test is printed with its reason, and a skip not in the allowed-skips list of
-# docs/development.md fails the run.
+# node, real vLLM engines, helm, promtool, Prometheus, an OTLP collector (its tiers and their
+# durations: docs/development.md). Every skipped test is printed with its reason, and a skip not
+# in the allowed-skips list of docs/development.md fails the run.
+#
+#   scripts/test.sh           everything, in two phases:
+#                             1. the unit, store and deploy tiers (but the helm smoke test) on
+#                                pytest-xdist workers: no engine, and mostly waiting on processes
+#                             2. the e2e tier and the helm smoke test, serially: their vLLM
+#                                engines need the CPU to themselves
+#   scripts/test.sh --fast    the unit and store tiers only (no engine): the inner loop
+#   scripts/test.sh -k worker pytest options apply to every phase (a phase they leave empty is
+#                             no failure); naming tests or folders runs just those, serially
+#
+# RECORD_SUITE_TIMES=1 scripts/test.sh writes each phase's time, tests and engine starts into
+# docs/suite-times.json (tests/suite_times.py), the table of docs/development.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+fast=0 named=0 args=()
+takes_value='^(-k|-m|-p|-n|-o|-c|-W|--deselect|--ignore|--timeout|--maxfail|--rootdir|--durations|--dist)$'
+expect_value=0
+for a in "$@"; do
+  if [[ $a == --fast ]]; then fast=1; continue; fi
+  args+=("$a")
+  if (( expect_value )); then expect_value=0
+  elif [[ $a =~ $takes_value ]]; then expect_value=1
+  elif [[ $a != -* ]]; then named=1
+  fi
+done
+
 scripts/setup.sh
 .venv/bin/ruff check .
+
+PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider -p tests.skip_policy -p tests.suite_times)
+WORKERS=(-n 4)  # processes waiting on masters and store nodes, not computing: 4 on 2 cores
+SMOKE=tests/deploy/test_helm_smoke.py
+
+# One phase: pytest with RECORD_SUITE_TIMES naming the part; "no tests ran" (5) is no failure
+# when options such as -k leave a phase empty.
+phase() {
+  local part=$1; shift
+  local rc=0
+  RECORD_SUITE_TIMES=${RECORD_SUITE_TIMES:+$part} "${PYTEST[@]}" "$@" || rc=$?
+  if (( rc == 5 )); then echo "($part: no test selected)"; return 0; fi
+  return $rc
+}
+
+if (( named )); then  # the tests asked for, as one serial run
+  exec "${PYTEST[@]}" "${args[@]}"
+fi
+
+if (( fast )); then
+  phase "fast: unit + store" "${WORKERS[@]}" tests/unit tests/store ${args[@]+"${args[@]}"}
+  exit 0
+fi
+
+phase "phase 1: unit + store + deploy (xdist)" "${WORKERS[@]}" tests/unit tests/store \
+  tests/deploy --ignore "$SMOKE" ${args[@]+"${args[@]}"}
 # The unit tier once more against vLLM 0.33's sources, the version the image ships (~25 s).
 scripts/unit_033.sh -q
-exec .venv/bin/python -m pytest -p no:cacheprovider -p tests.skip_policy "$@"
+phase "phase 2: e2e + helm smoke (serial)" tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}

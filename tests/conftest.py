@@ -1,8 +1,10 @@
 """Shared, session-scoped real components: a Mooncake master, a standalone store node (so stored
-blocks outlive the engines that wrote them), the tiny model, reference outputs from an engine
-without the connector, and a 4-thread engine whose prefixes come from the store.
+blocks outlive the engines that wrote them), the tiny model, reference outputs from engines
+without the connector (`references`, cached for the session: tests/engines.py), and a
+4-thread engine whose prefixes come from the store.
 
-vLLM engines take ~40 s to start here, so each is started once per session and shared.
+vLLM engines take about twenty seconds to start here, so each is started once per session and
+shared where the tests need the same configuration.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import time
 import numpy as np
 import pytest
 
+from devkit import vllm_server
 from devkit.local_cluster import HOST, MooncakeMaster, StoreNode
 from devkit.otlp_collector import RotelCollector
 from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config
+from tests.engines import References
 from tests.worker_kit import make_worker_on  # noqa: F401 - shared fixture
 
+vllm_server.IN_PROCESS_TP1 = True  # the tests' TP=1 engines start without a worker process
 POOLED_SERVICE = "pooled-server"  # OTEL_SERVICE_NAME of `pooled_server`'s spans
 PREFIX_TOKENS = 320  # 10 blocks of 32
 SUFFIX_TOKENS = 48
@@ -63,13 +68,18 @@ def engine_extra(master: MooncakeMaster, **kw) -> dict:
 
 
 @pytest.fixture(scope="session")
-def reference_outputs(tiny_model, prompts) -> list[list[int]]:
+def references():
+    """Outputs of engines without the connector (float32), computed once per session:
+    `references.outputs(model, prompts, max_tokens=8, tp=1)`."""
+    refs = References()
+    yield refs
+    refs.close()
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(tiny_model, prompts, references) -> list[list[int]]:
     """Greedy outputs of an engine with no connector: the ground truth."""
-    server = VllmServer(tiny_model).start()
-    try:
-        return [server.complete(p) for p in prompts]
-    finally:
-        server.stop()
+    return references.outputs(tiny_model, prompts)
 
 
 @pytest.fixture(scope="session")
@@ -190,9 +200,11 @@ def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int]
                             text).group(1)
     keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/g{group}s0of1/{h.hex()}"
             for h in block_hashes(prompt)]
-    deadline = time.monotonic() + 10
-    while client.batch_is_exist(keys) != [1] * len(keys):
-        assert time.monotonic() < deadline, f"the engine never stored all of {keys}"
+    deadline = time.monotonic() + 120  # the saves of a busy 2-core host
+    while (exist := client.batch_is_exist(keys)) != [1] * len(keys):
+        assert time.monotonic() < deadline, (
+            f"the engine stored {sum(e == 1 for e in exist)} of {len(keys)} blocks in 120 s; "
+            f"missing: {[k for k, e in zip(keys, exist, strict=True) if e != 1]}")
         time.sleep(0.1)
     return keys
 

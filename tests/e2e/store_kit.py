@@ -4,9 +4,10 @@ connector name, with the in-tree connector's settings, tenants, a disk tier or M
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
-from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum, parse_metrics
 
 PREFIX = "vllm:mooncake_pool_"
 
@@ -19,23 +20,34 @@ def by_name(role: str = "kv_both", **extra: Any) -> dict[str, Any]:
     return cfg
 
 
+def master_metrics(master) -> dict[str, float]:
+    """A Mooncake master's own /metrics samples."""
+    return parse_metrics(master.metrics_text())
+
+
 def saved_blocks(prompts: list[list[int]]) -> int:
     """Blocks the prompts fill (each is stored once, or skipped if already stored)."""
     return sum(len(p) // BLOCK_SIZE for p in prompts)
 
 
-def wait_for_saves(server: VllmServer, blocks: int, timeout: float = 120.0) -> None:
+SETTLED = ("save_keys", "save_skipped_keys", "save_error_keys")
+
+
+def wait_for_saves(server: VllmServer, blocks: int, timeout: float = 120.0,
+                   families: tuple[str, ...] = SETTLED) -> None:
     """Until the engine's saves settled `blocks` blocks: wrote them, found them already stored,
     or failed them (a store whose memory is full refuses puts until it evicts; those blocks
-    miss later, and the test's hit counts judge how many)."""
+    miss later, and the test's hit counts judge how many). With families=("save_keys",):
+    until it wrote that many. Raises with the count it saw after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        done = sum(metric_sum(m, f"{PREFIX}{fam}_total")
-                   for fam in ("save_keys", "save_skipped_keys", "save_error_keys"))
+        done = sum(metric_sum(m, f"{PREFIX}{fam}_total") for fam in families)
         if done >= blocks:
             return
-        assert time.monotonic() < deadline, f"saves did not finish ({done} of {blocks} blocks)"
+        assert time.monotonic() < deadline, (
+            f"saves did not finish within {timeout} s: {done:.0f} of {blocks} blocks "
+            f"({' + '.join(families)})")
         time.sleep(0.3)
 
 
@@ -55,6 +67,16 @@ def store_hits(delta: dict[str, float], **labels: str) -> float:
     return metric_sum(delta, "vllm:external_prefix_cache_hits_total", **labels)
 
 
+def watching(engines: list[VllmServer], master, workdir: str):
+    """A Prometheus (not started) scraping the engines and the master, each second."""
+    from dashboards.local_prometheus import LocalPrometheus
+
+    return LocalPrometheus({
+        "vllm": [e.url.removeprefix("http://") for e in engines],
+        "mooncake-master": [f"127.0.0.1:{master.metrics_port}"],
+    }, workdir=workdir)
+
+
 def row_panels(prometheus: str, dash_file: str, row_title: str, start: float, end: float
                ) -> list[Any]:
     """The panels of one dashboard row, each target queried over [start, end] as Grafana would
@@ -72,6 +94,13 @@ def row_panels(prometheus: str, dash_file: str, row_title: str, start: float, en
     return out
 
 
+def scraped_row(prom, dash_file: str, row_title: str, start: float) -> tuple[list[Any], float]:
+    """A dashboard row's panels over [start - 2 s, now] once Prometheus has scraped what the
+    engines' /metrics say now (`wait_for_scrapes`), and that end time."""
+    end = wait_for_scrapes(prom, time.time())
+    return row_panels(prom.url, dash_file, row_title, start - 2, end), end
+
+
 def empty_targets(panels: list[Any]) -> list[str]:
     """`panel: legend` of every target that returned no data (or an error)."""
     return [f"{p.title}: {t.legend} ({t.error or 'no data'})\n    {t.expr}"
@@ -84,3 +113,23 @@ def peak(panels: list[Any], title: str, legend_part: str = "") -> float:
     vals = [v for t in panel.targets for s in t.series for v in s.values
             if v == v and legend_part in " ".join(s.labels.values())]
     return max(vals, default=0.0)
+
+
+def wait_for_scrapes(prom, since: float, scrapes: int = 2, timeout: float = 120.0) -> float:
+    """Until Prometheus (`LocalPrometheus`) has scraped every target `scrapes` times after
+    `since` (a time.time()), so its series hold what the engines' /metrics said by then (a rate
+    panel needs two samples); returns the time it saw that. Raises with each target's last
+    scrape if it does not happen within `timeout`."""
+    interval = float(prom.scrape_interval.removesuffix("s"))
+    want = since + (scrapes - 1) * interval
+    deadline = time.monotonic() + timeout
+    while True:
+        targets = prom.api("targets")["activeTargets"]
+        last = {t["scrapeUrl"]: (datetime.fromisoformat(t["lastScrape"]).timestamp(),
+                                 t["health"]) for t in targets}
+        if targets and all(at >= want and health == "up" for at, health in last.values()):
+            return time.time()
+        assert time.monotonic() < deadline, (
+            f"Prometheus did not scrape every target {scrapes} times after {since:.1f} within "
+            f"{timeout} s: {last}")
+        time.sleep(0.2)

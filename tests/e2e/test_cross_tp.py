@@ -1,8 +1,10 @@
 """Sharing the store across TP sizes in real `vllm serve` (float32, so outputs compare exactly):
 a TP=2 engine fills the store, a fresh TP=1 engine takes most of its prompt tokens from it and
-gives the greedy tokens of an engine without the connector; then the TP=1 engine fills and a
-fresh TP=2 engine loads. Both sides run with `store_tp_size: 2` (the in-tree setting: each
-block is two objects of half the KV heads, whichever TP size wrote them).
+gives the greedy tokens of an engine without the connector; then the TP=1 engine fills and the
+TP=2 engine that filled first loads (its local prefix cache reset, so its prefixes can only come
+from the store; it stays up meanwhile instead of a second TP=2 start). Both sides run with
+`store_tp_size: 2` (the in-tree setting: each block is two objects of half the KV heads,
+whichever TP size wrote them).
 
 Three models: a Llama with 8 heads and 4 KV heads (GQA: each TP=2 rank moves its own shard, the
 TP=1 engine both), a Llama with sliding-window layers beside full attention (two KV cache
@@ -19,7 +21,8 @@ there (milliseconds on the TP=1 engine beside it), past the default `load_timeou
 Mooncake's default lease (`LEASE_EXPIRED`): so these engines and their master are patient.
 This test is about layouts; deadlines have their own tests.
 
-Each output is compared with engines without the connector of both TP sizes. Where those two
+Each output is compared with engines without the connector of both TP sizes (the session's
+`references`, tests/engines.py). Where those two
 agree, the engine must give exactly their tokens. Where they disagree (a near-tie of the tiny
 random model that TP=2's other summation order tips, seen with MLA: the references part from
 the second token of one prompt), a reader of the other TP size's KV must give one of them: it
@@ -36,10 +39,8 @@ from devkit.local_cluster import local_pool
 from devkit.tiny_model import make_tiny_llama, make_tiny_mla
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
+from tests.engines import TP_START_TIMEOUT_S, tp_args, tp_env
 
-FLOAT32 = ("--dtype", "float32")
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-START_TIMEOUT_S = 600
 LOAD_TIMEOUT_S = 60.0  # and the lease, below: see the module's docstring
 MODELS = {
     "gqa": lambda d: make_tiny_llama(d, hidden=256, heads=8, kv_heads=4),
@@ -62,14 +63,12 @@ def distinct_prompts(seed: int, n: int = 3, tokens: int = 368) -> list[list[int]
     return [[rng.randrange(3, 1000) for _ in range(tokens)] for _ in range(n)]
 
 
-def engine(model: str, tp: int, master=None, prefix: str = "", store_tp: int = 2
-           ) -> VllmServer:
+def engine(model: str, tp: int, master, prefix: str, store_tp: int = 2) -> VllmServer:
+    """An engine with the connector (float32, VllmServer's default), `tp` ranks."""
     kv = connector_kv_config(engine_extra(master, cache_prefix=prefix, store_tp_size=store_tp,
-                                          load_timeout_s=LOAD_TIMEOUT_S)) if master else None
-    # Two engine processes and a worker per rank start slowly on a shared 2-core host.
-    return VllmServer(model, kv, env=TP2_ENV if tp > 1 else {},
-                      extra_args=(*FLOAT32, "--tensor-parallel-size", str(tp))
-                      ).start(timeout=START_TIMEOUT_S)
+                                          load_timeout_s=LOAD_TIMEOUT_S))
+    return VllmServer(model, kv, env=tp_env(tp), extra_args=tp_args(tp)
+                      ).start(timeout=TP_START_TIMEOUT_S)
 
 
 def serve(server: VllmServer, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
@@ -98,7 +97,8 @@ def check_from_store(delta: dict, prompts: list[list[int]], tp: int) -> None:
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, patient_master):
+def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, patient_master,
+                                             references):
     master = patient_master
     model = str(MODELS[kind](tmp_path_factory.mktemp(f"cross-tp-{kind}")))
     first, second = distinct_prompts(1), distinct_prompts(2)
@@ -106,34 +106,28 @@ def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, patient_mas
     # Engines without the connector, per TP size: TP=2 sums its partial results in another
     # order, which can move a near-tie of a tiny random model (seen with MLA in float32).
     third = distinct_prompts(3) if kind == "gqa" else []
-    want = {}
-    for tp in (1, 2):
-        ref = engine(model, tp)
-        try:
-            want[tp] = serve(ref, first)[0], serve(ref, second)[0], serve(ref, third)[0]
-        finally:
-            ref.stop()
+    want = {tp: [references.outputs(model, ps, tp=tp) for ps in (first, second, third)]
+            for tp in (1, 2)}
+    references.release(model)
 
-    tp2 = engine(model, 2, master, prefix)  # fills: each rank stores its objects
+    tp2 = engine(model, 2, master, prefix)  # fills (each rank stores its objects), later reads
     try:
         filled, _ = serve(tp2, first)
-    finally:
-        tp2.stop()
-    assert filled == want[2][0]
+        assert filled == want[2][0]
+        tp2.reset_prefix_cache()  # refused until every save is stored; then nothing is local
 
-    tp1 = engine(model, 1, master, prefix)  # loads the TP=2 engine's blocks, then fills
-    try:
-        got, delta = serve(tp1, first)
-        check_outputs(got, want[1][0], want[2][0])
-        check_from_store(delta, first, 1)
-        filled, _ = serve(tp1, second)
-    finally:
-        tp1.stop()
-    assert filled == want[1][1]
+        tp1 = engine(model, 1, master, prefix)  # loads the TP=2 engine's blocks, then fills
+        try:
+            got, delta = serve(tp1, first)
+            check_outputs(got, want[1][0], want[2][0])
+            check_from_store(delta, first, 1)
+            filled, _ = serve(tp1, second)
+            assert filled == want[1][1]
+            tp1.reset_prefix_cache()  # every save of the TP=1 engine is stored
+        finally:
+            tp1.stop()
 
-    tp2 = engine(model, 2, master, prefix)  # and the reverse
-    try:
-        got, delta = serve(tp2, second)
+        got, delta = serve(tp2, second)  # and the reverse, on the engine that filled
     finally:
         tp2.stop()
     check_outputs(got, want[2][1], want[1][1])

@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:
 from dashboards import render  # noqa: E402
 from dashboards.local_prometheus import LocalPrometheus  # noqa: E402
 from dashboards.promql import substitute  # noqa: E402
+from tests.e2e.store_kit import wait_for_scrapes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -100,12 +101,10 @@ def live(pooled_server, master, prompts, tmp_path_factory):
     }, scrape_interval="1s", workdir=str(tmp_path_factory.mktemp("prometheus"))).start()
     try:
         prom.wait_for_targets(timeout=30)
-        time.sleep(3)  # a baseline sample of every existing series before the workload
-        start = time.time()
+        start = wait_for_scrapes(prom, time.time())  # every series sampled before the workload
         # More rounds give fuller screenshots (UPDATE_DASHBOARD_PNGS=1 LIVE_DASHBOARD_ROUNDS=40).
         _drive(pooled_server, prompts, int(os.environ.get("LIVE_DASHBOARD_ROUNDS", "8")))
-        time.sleep(4)  # let the last stats reach the API server and be scraped
-        end = time.time()
+        end = wait_for_scrapes(prom, time.time())  # Prometheus holds what /metrics said
         yield prom, start - 2, end
     finally:
         prom.stop()

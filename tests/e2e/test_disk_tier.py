@@ -17,24 +17,19 @@ import time
 
 import pytest
 
-from dashboards.local_prometheus import LocalPrometheus
 from devkit.local_cluster import MooncakeMaster, StoreNode
-from devkit.vllm_server import (
-    BLOCK_SIZE,
-    VllmServer,
-    connector_kv_config,
-    metric_sum,
-    parse_metrics,
-)
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.e2e.store_kit import (
     PREFIX,
     empty_targets,
+    master_metrics,
     peak,
-    row_panels,
     saved_blocks,
+    scraped_row,
     serve,
     store_hits,
     wait_for_saves,
+    watching,
 )
 
 pytestmark = pytest.mark.timeout(1800)
@@ -46,6 +41,7 @@ SEGMENT = "16MB"  # 128 blocks in memory
 PROMPTS = [[random.Random(i).randrange(3, 1000) for _ in range(BLOCKS * BLOCK_SIZE + 5)]
            for i in range(48)]  # 384 blocks: three times the memory
 LOOKED_UP = len(PROMPTS) * BLOCKS * BLOCK_SIZE  # tokens the second pass looks up
+FILL_ROUND = 8  # prompts per round of the disk-tier fill: 64 blocks, half the memory
 LEASE = ("--default_kv_lease_ttl=500",)
 
 
@@ -57,16 +53,51 @@ def deep_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(deep_model) -> list[list[int]]:
-    server = VllmServer(deep_model).start()
-    try:
-        return [server.complete(p) for p in PROMPTS]
-    finally:
-        server.stop()
+def reference(deep_model, references) -> list[list[int]]:
+    outputs = references.outputs(deep_model, PROMPTS)
+    references.release(deep_model)  # no other test uses this model
+    return outputs
 
 
-def disk_objects(master: MooncakeMaster) -> float:
-    return metric_sum(parse_metrics(master.metrics_text()), "file_cache_nums_")
+def wait_until_on_disk(master: MooncakeMaster, server: VllmServer, timeout: float = 300.0
+                       ) -> dict[str, float]:
+    """Until the disk tier holds every key the engine wrote (`save_keys_total`), or raise with
+    what the master and the engine count. The master pins a memory replica while its offload
+    task is queued (Mooncake's `offloading_tasks` hold a refcount), so each accepted put reaches
+    disk, however slowly the store node offloads; a put the store refused (memory full of
+    pinned replicas) is counted in `save_error_keys_total` and is not waited for: the hit
+    counts judge those. `timeout` bounds a stalled offload, never a slow one that progresses."""
+    deadline, seen, last = time.monotonic() + timeout, {}, -1.0
+    while True:
+        m, e = master_metrics(master), server.metrics()
+        seen = {name: metric_sum(m, name) for name in
+                ("master_key_count", "file_cache_nums_", "mem_cache_nums_",
+                 "master_evicted_key_count")}
+        seen |= {f: metric_sum(e, f"{PREFIX}{f}_total")
+                 for f in ("save_keys", "save_skipped_keys", "save_error_keys")}
+        if seen["file_cache_nums_"] >= seen["save_keys"]:
+            return seen
+        if seen["file_cache_nums_"] > last:  # progress: the bound restarts
+            last, deadline = seen["file_cache_nums_"], time.monotonic() + timeout
+        assert time.monotonic() < deadline, (
+            f"the disk tier stopped short of the keys written for {timeout} s: {seen}")
+        time.sleep(0.5)
+
+
+def fill(server: VllmServer, master: MooncakeMaster, offload: bool) -> list[list[int]]:
+    """Serve every prompt once, so the store holds their blocks. With the disk tier, in rounds
+    of half the memory, each one on disk before the next: a round's puts then find the earlier
+    rounds' replicas unpinned (offloaded) and evictable, so they rarely meet a full memory."""
+    rounds = range(0, len(PROMPTS), FILL_ROUND if offload else len(PROMPTS))
+    first: list[list[int]] = []
+    for i in rounds:
+        first += [server.complete(p) for p in PROMPTS[i:i + FILL_ROUND if offload else None]]
+        wait_for_saves(server, saved_blocks(PROMPTS[:len(first)]))
+        if offload:
+            seen = wait_until_on_disk(master, server)
+    if offload:
+        print(f"on disk after the fill: {seen}")
+    return first
 
 
 def run(model, master: MooncakeMaster, offload: bool, prom_dir=None):
@@ -77,24 +108,15 @@ def run(model, master: MooncakeMaster, offload: bool, prom_dir=None):
     server = VllmServer(model, connector_kv_config(extra))
     prom = None
     if prom_dir is not None:
-        prom = LocalPrometheus({
-            "vllm": [server.url.removeprefix("http://")],
-            "mooncake-master": [f"127.0.0.1:{master.metrics_port}"],
-        }, workdir=str(prom_dir)).start()
+        prom = watching([server], master, str(prom_dir)).start()
     try:
         server.start()
         start = time.time()
-        first = [server.complete(p) for p in PROMPTS]
-        wait_for_saves(server, saved_blocks(PROMPTS))
-        if offload:  # wait for the store node to have written what the memory evicted
-            deadline = time.monotonic() + 120
-            while disk_objects(master) < 0.9 * saved_blocks(PROMPTS):
-                assert time.monotonic() < deadline, f"{disk_objects(master)} blocks on disk"
-                time.sleep(0.5)
+        first = fill(server, master, offload)
         second, delta = serve(server, PROMPTS)
-        time.sleep(4)  # the last stats reach the API server and are scraped
-        panels = row_panels(prom.url, "load-pipeline.json", "Disk tier", start - 2,
-                            time.time()) if prom else []
+        panels = []
+        if prom:  # once Prometheus holds what /metrics said after the second pass
+            panels, _ = scraped_row(prom, "load-pipeline.json", "Disk tier", start)
         return first, second, delta, panels
     finally:
         server.stop()

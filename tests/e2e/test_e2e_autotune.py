@@ -16,6 +16,7 @@ import pytest
 from connector.metric_catalog import PREFIX
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
+from tests.e2e.store_kit import wait_for_saves
 
 REQUESTS = 720  # at ~45 jobs/s on one thread, enough backlog for the tuner's first probe
 CLIENTS = 64
@@ -35,11 +36,9 @@ def auto_server(tiny_model, master, store_node):
     proxy.stop()
 
 
-def wait_for_saves(server: VllmServer, jobs: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while metric_sum(server.metrics(), PREFIX + "save_keys_total") < jobs:
-        assert time.monotonic() < deadline, "saves did not finish"
-        time.sleep(0.5)
+def wait_stored(server: VllmServer, keys: int) -> None:
+    """Until the engine wrote `keys` blocks (its saves run after the responses)."""
+    wait_for_saves(server, keys, families=("save_keys",))
 
 
 def test_auto_raises_threads_under_queued_loads(auto_server):
@@ -48,7 +47,7 @@ def test_auto_raises_threads_under_queued_loads(auto_server):
                for _ in range(REQUESTS)]
     with ThreadPoolExecutor(CLIENTS) as pool:
         first = list(pool.map(lambda p: auto_server.complete(p, max_tokens=1), prompts))
-    wait_for_saves(auto_server, 2 * REQUESTS)
+    wait_stored(auto_server, 2 * REQUESTS)
     auto_server.reset_prefix_cache()
     active = PREFIX + "recv_threads_active"
     before = auto_server.metrics()

@@ -6,13 +6,13 @@ breakdown (connector.ttft) reaches /metrics for both kinds of load, phase by pha
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
 from connector.metric_catalog import TTFT_PHASES
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import corrupt_stored_block, engine_extra
+from tests.e2e.store_kit import wait_for_saves
 
 PREFIX = "steploads"
 TOTAL = "vllm:mooncake_pool_ttft_store_seconds_count"
@@ -42,11 +42,8 @@ def delta(server: VllmServer, run) -> tuple[object, dict[str, float]]:
 
 
 def wait_saved(server: VllmServer, keys: int) -> None:
-    """The save thread writes after the response returns."""
-    deadline = time.monotonic() + 30
-    while metric_sum(server.metrics(), "vllm:mooncake_pool_save_keys_total") < keys:
-        assert time.monotonic() < deadline, "the engine never stored its prompts' blocks"
-        time.sleep(0.2)
+    """The save thread writes after the response returns: until it wrote `keys` blocks."""
+    wait_for_saves(server, keys, families=("save_keys",))
 
 
 def test_in_step_loads_give_the_computed_tokens(engine):

@@ -45,14 +45,10 @@ def preemptions(m: dict[str, float]) -> float:
 
 
 def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_model,
-                                                                           cluster):
+                                                                           cluster, references):
     master, node = cluster
     work = make_prompts(6, seed=25)
-    reference = VllmServer(tiny_model).start()
-    try:
-        truth = [reference.complete(p, MAX_TOKENS) for p in work]
-    finally:
-        reference.stop()
+    truth = references.outputs(tiny_model, work, MAX_TOKENS)
 
     a = engine(tiny_model, master, "--num-gpu-blocks-override", "40").start()
     try:

@@ -22,24 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dashboards.local_prometheus import LocalPrometheus
-from devkit.local_cluster import MooncakeMaster, StoreNode
-from devkit.vllm_server import (
-    BLOCK_SIZE,
-    VllmServer,
-    connector_kv_config,
-    metric_sum,
-    parse_metrics,
-)
-from tests.e2e.store_kit import (
-    PREFIX,
-    empty_targets,
-    peak,
-    row_panels,
-    saved_blocks,
-    serve,
-    wait_for_saves,
-)
+from devkit.local_cluster import local_pool
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
+from tests.e2e import store_kit as kit
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -59,25 +44,15 @@ HOT_PROMPTS, FLOOD_PROMPTS = make(1, 4, 8), make(2, 12, 40)
 
 @pytest.fixture(scope="module")
 def tenant_master():
-    m = MooncakeMaster(tenants={HOT: "64MB", FLOOD: FLOOD_QUOTA}).start()
-    yield m
-    m.stop()
+    """A master in multi-tenant mode (the two tenants' quotas) and its store node."""
+    with local_pool("256MB", tenants={HOT: "64MB", FLOOD: FLOOD_QUOTA}) as (master, _node):
+        yield master
 
 
 @pytest.fixture(scope="module")
-def tenant_node(tenant_master):
-    node = StoreNode(tenant_master, segment_size="256MB").start()
-    yield node
-    node.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
-    server = VllmServer(tiny_model).start()
-    try:
-        return {tuple(p): server.complete(p) for p in HOT_PROMPTS + FLOOD_PROMPTS}
-    finally:
-        server.stop()
+def reference(tiny_model, references) -> dict[tuple[int, ...], list[int]]:
+    prompts = HOT_PROMPTS + FLOOD_PROMPTS
+    return dict(zip(map(tuple, prompts), references.outputs(tiny_model, prompts), strict=True))
 
 
 def tenant_engine(tiny_model, master, tenant: str) -> VllmServer:
@@ -87,30 +62,22 @@ def tenant_engine(tiny_model, master, tenant: str) -> VllmServer:
 
 
 def hit_rate(delta: dict[str, float], tenant: str) -> float:
-    hit = metric_sum(delta, PREFIX + "lookup_hit_tokens_total", tenant=tenant)
-    miss = metric_sum(delta, PREFIX + "lookup_miss_tokens_total", tenant=tenant)
+    hit = metric_sum(delta, kit.PREFIX + "lookup_hit_tokens_total", tenant=tenant)
+    miss = metric_sum(delta, kit.PREFIX + "lookup_miss_tokens_total", tenant=tenant)
     return hit / (hit + miss)
 
 
-def master_samples(master: MooncakeMaster) -> dict[str, float]:
-    return parse_metrics(master.metrics_text())
-
-
-def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node, reference,
-                                          tmp_path):
+def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, reference, tmp_path):
     hot = tenant_engine(tiny_model, tenant_master, HOT)
     flood = tenant_engine(tiny_model, tenant_master, FLOOD)
-    prom = LocalPrometheus({
-        "vllm": [hot.url.removeprefix("http://"), flood.url.removeprefix("http://")],
-        "mooncake-master": [f"127.0.0.1:{tenant_master.metrics_port}"],
-    }, workdir=str(tmp_path)).start()
+    prom = kit.watching([hot, flood], tenant_master, str(tmp_path)).start()
     try:
         hot.start()
         start = time.time()
         # The hot tenant stores its prefixes, then reads them back: the figure before.
-        first, _ = serve(hot, HOT_PROMPTS)
-        wait_for_saves(hot, saved_blocks(HOT_PROMPTS))
-        before_out, before = serve(hot, HOT_PROMPTS)
+        first, _ = kit.serve(hot, HOT_PROMPTS)
+        kit.wait_for_saves(hot, kit.saved_blocks(HOT_PROMPTS))
+        before_out, before = kit.serve(hot, HOT_PROMPTS)
         rate_before = hit_rate(before, HOT)
 
         # The flood, 4 prompts at a time, twice, while the master's charge for the tenant is
@@ -123,7 +90,7 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
 
         def watch() -> None:
             while not done.wait(0.2):
-                m = master_samples(tenant_master)
+                m = kit.master_metrics(tenant_master)
                 charged = metric_sum(m, "mooncake_tenant_quota_charged_bytes", tenant_id=FLOOD)
                 quota = metric_sum(m, "mooncake_tenant_quota_effective_bytes", tenant_id=FLOOD)
                 if charged > quota:
@@ -141,11 +108,11 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
             done.set()
             watcher.join()
 
-        after_out, after = serve(hot, HOT_PROMPTS)
+        after_out, after = kit.serve(hot, HOT_PROMPTS)
         rate_after = hit_rate(after, HOT)
-        crossed_out, crossed = serve(flood, HOT_PROMPTS)  # the hot tenant's exact prompts
-        time.sleep(4)  # the last stats reach the API servers and are scraped
-        end = time.time()
+        crossed_out, crossed = kit.serve(flood, HOT_PROMPTS)  # the hot tenant's exact prompts
+        # The Tenants row of "Mooncake pool / Errors and store", from a real Prometheus.
+        panels, end = kit.scraped_row(prom, "errors-and-store.json", "Tenants", start)
 
         print(f"hot tenant token hit rate: before the flood {rate_before:.3f}, "
               f"after {rate_after:.3f}")
@@ -153,21 +120,21 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
         want_hot = [reference[tuple(p)] for p in HOT_PROMPTS]
         assert first == before_out == after_out == crossed_out == want_hot
         assert metric_sum(crossed, "vllm:external_prefix_cache_hits_total") == 0
-        assert metric_sum(crossed, PREFIX + "lookup_miss_tokens_total") > 0  # it looked
+        assert metric_sum(crossed, kit.PREFIX + "lookup_miss_tokens_total") > 0  # it looked
         want_flood = [reference[tuple(p)] for p in FLOOD_PROMPTS]
         assert flood_first == want_flood and flood_second == want_flood
         # The hot tenant's hit rate is unchanged, and it is a real hit rate.
         assert rate_before == rate_after > 0.9
         # The flood stayed within its quota, and the master rejected or evicted its overflow.
         assert not over, f"the flooding tenant was charged above its quota: {over[:5]}"
-        m = master_samples(tenant_master)
+        m = kit.master_metrics(tenant_master)
         rejected = metric_sum(m, "mooncake_tenant_quota_reject_total", tenant_id=FLOOD)
         evicted = metric_sum(m, "mooncake_tenant_evict_bytes_total", tenant_id=FLOOD)
         assert rejected > 0 and evicted > 0
         assert metric_sum(m, "mooncake_tenant_quota_reject_total", tenant_id=HOT) == 0
         assert metric_sum(m, "mooncake_tenant_evict_bytes_total", tenant_id=HOT) == 0
         # The rejected puts, with their code, on the flooding engine's /metrics (and only there).
-        refused = PREFIX + "failures_total"
+        refused = kit.PREFIX + "failures_total"
         fm = flood.metrics()
         print(f"flood tenant: {rejected:.0f} writes rejected and {evicted / 2**20:.1f} MB evicted "
               "by the master; save failures by code on its engine:",
@@ -176,12 +143,11 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tenant_node
         assert metric_sum(fm, refused, op="save", code="-1700", tenant=FLOOD) > 0
         assert metric_sum(hot.metrics(), refused, op="save", code="-1700") == 0
 
-        # The Tenants row of "Mooncake pool / Errors and store", from a real Prometheus.
-        panels = row_panels(prom.url, "errors-and-store.json", "Tenants", start - 2, end)
-        assert not empty_targets(panels), "\n".join(empty_targets(panels))
-        assert peak(panels, "Puts refused by the master, per tenant", FLOOD) > 0
-        assert peak(panels, "Token hit rate per tenant", HOT) > 0.9
-        assert peak(panels, "Tenant quota use (master)", FLOOD) > 0
+        # The Tenants row, as queried above.
+        assert not kit.empty_targets(panels), "\n".join(kit.empty_targets(panels))
+        assert kit.peak(panels, "Puts refused by the master, per tenant", FLOOD) > 0
+        assert kit.peak(panels, "Token hit rate per tenant", HOT) > 0.9
+        assert kit.peak(panels, "Tenant quota use (master)", FLOOD) > 0
     finally:
         for server in (flood, hot):
             server.stop()
@@ -197,15 +163,15 @@ def test_tenants_share_no_block_on_a_master_without_tenants(tiny_model, master, 
         cache_prefix="plain-tenants"))) for t in ("team-a", "team-b"))
     try:
         a.start()
-        assert serve(a, prompts)[0] == reference_outputs
+        assert kit.serve(a, prompts)[0] == reference_outputs
         # Blocks of the prompts' shared prefixes are computed (and saved) once.
-        wait_for_saves(a, len({tuple(p[:i + BLOCK_SIZE]) for p in prompts
+        kit.wait_for_saves(a, len({tuple(p[:i + BLOCK_SIZE]) for p in prompts
                                for i in range(0, len(p) - BLOCK_SIZE + 1, BLOCK_SIZE)}))
-        assert metric_sum(serve(a, prompts)[1], "vllm:external_prefix_cache_hits_total") > 0
+        assert metric_sum(kit.serve(a, prompts)[1], "vllm:external_prefix_cache_hits_total") > 0
         b.start()
-        out, delta = serve(b, prompts)
+        out, delta = kit.serve(b, prompts)
         assert out == reference_outputs
-        assert metric_sum(delta, PREFIX + "lookup_miss_tokens_total") > 0  # it looked
+        assert metric_sum(delta, kit.PREFIX + "lookup_miss_tokens_total") > 0  # it looked
         assert metric_sum(delta, "vllm:external_prefix_cache_hits_total") == 0
     finally:
         b.stop()

@@ -8,6 +8,7 @@ the quick start's demo). Fast: no engine, no store.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -32,6 +33,7 @@ PASSAGES = {
     "docs/reliability.md": {"frozen-get"},
     "docs/reliability-failover.md": {"failover-timeline", "failover-serve"},
     "docs/layouts.md": {"layouts-table"},
+    "docs/development.md": {"suite-times"},
 }
 ALL_PASSAGES = set().union(*PASSAGES.values())
 # Settings the failover page quotes outside passages (the probe's intervals), not measurements.
@@ -101,3 +103,24 @@ def test_no_measurement_outside_a_passage_on_the_failover_page():
 def test_unknown_passage_is_an_error(runs):
     with pytest.raises(KeyError, match="no renderer"):
         claims.render("<!-- bench:nope -->1<!-- /bench:nope -->", runs)
+
+
+def test_suite_times_table_is_a_whole_recorded_run(tmp_path):
+    """The suite-times table shows each recorded part and the whole command as the sum of its
+    phases; a committed docs/suite-times.json must hold both phases of one command (a partial
+    recording would show a part as the whole)."""
+    committed = claims.Runs().suite_times
+    if committed is not None:
+        assert sorted(p for p in committed["parts"] if p.startswith("phase")) == [
+            "phase 1: unit + store + deploy (xdist)", "phase 2: e2e + helm smoke (serial)"], \
+            "docs/suite-times.json is not one whole run: record it with RECORD_SUITE_TIMES=1"
+    part = {"wall_s": 600.0, "tests": 300, "engine_starts": 2, "engine_start_s": 60.0,
+            "starts_per_file": {"tests/e2e/test_a.py": 2}}
+    (tmp_path / "suite-times.json").write_text(json.dumps({
+        "commit": "abc1234", "recorded": "2026-01-01 00:00 UTC", "cpus": 2, "cpu_model": "x",
+        "parts": {"phase 1: a": part, "phase 2: b": {**part, "wall_s": 300.0}}}))
+    body = claims.suite_times(claims.Runs(tmp_path))
+    assert "| phase 1: a | 10.0 min | 300 | 2 | 1.0 min |" in body
+    assert "| **the whole command** | **15.0 min** | 600 | 4 | 2.0 min |" in body
+    assert "| `tests/e2e/test_a.py` | 4 |" in body
+    assert "No run recorded" in claims.suite_times(claims.Runs(tmp_path / "none"))

@@ -1,0 +1,105 @@
+"""The suite's time, measured: engine starts per test file and, with RECORD_SUITE_TIMES=<part>,
+one part's figures in docs/suite-times.json.
+
+`scripts/test.sh` loads this plugin (`-p tests.suite_times`) in every phase. Each `vllm serve`
+start (`devkit.vllm_server.START_LISTENERS`) is counted against the test file running then, with
+its seconds from launch to serving; under pytest-xdist each worker counts its own and hands
+them to the controller at its end. The terminal summary prints the starts per file. With
+RECORD_SUITE_TIMES set, the run writes its part (wall time, tests, engine starts and seconds,
+starts per file) into docs/suite-times.json beside the other parts, which `bench.claims`
+renders into the table of docs/development.md: the table's figures are a real run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from devkit import vllm_server
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "docs" / "suite-times.json"
+ENV = "RECORD_SUITE_TIMES"
+
+
+def merge_part(path: Path, part: str, figures: dict, meta: dict) -> dict:
+    """The JSON at `path` with `part` replaced by `figures` (other parts kept)."""
+    data = json.loads(path.read_text()) if path.exists() else {"parts": {}}
+    data.update(meta)
+    data["parts"][part] = figures
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return data
+
+
+class SuiteTimes:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.began = time.monotonic()
+        self.current = "(outside a test)"
+        self.starts: dict[str, list[float]] = {}  # test file -> seconds of each start
+        self.tests = 0
+        vllm_server.START_LISTENERS.append(self.on_start)
+
+    def on_start(self, server: vllm_server.VllmServer, seconds: float) -> None:
+        self.starts.setdefault(self.current, []).append(round(seconds, 1))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> None:
+        self.current = item.nodeid.split("::", 1)[0]  # session fixtures count where first used
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            self.tests += 1
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        workeroutput = getattr(self.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: the controller adds it up
+            workeroutput["engine_starts"] = json.dumps(self.starts)
+
+    @pytest.hookimpl(optionalhook=True)  # pytest-xdist's
+    def pytest_testnodedown(self, node, error) -> None:
+        for file, secs in json.loads(node.workeroutput.get("engine_starts", "{}")).items():
+            self.starts.setdefault(file, []).extend(secs)
+
+    def figures(self) -> dict:
+        every = [s for secs in self.starts.values() for s in secs]
+        return {"wall_s": round(time.monotonic() - self.began, 1), "tests": self.tests,
+                "engine_starts": len(every), "engine_start_s": round(sum(every), 1),
+                "starts_per_file": {f: len(s) for f, s in sorted(self.starts.items())}}
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if getattr(self.config, "workeroutput", None) is not None:
+            return
+        f = self.figures()
+        if f["engine_starts"]:
+            tr = terminalreporter
+            tr.section("engine starts")
+            for file, secs in sorted(self.starts.items()):
+                tr.line(f"{len(secs):3d} starts, {sum(secs):6.1f} s  {file}")
+            tr.line(f"{f['engine_starts']:3d} starts, {f['engine_start_s']:6.1f} s  in all")
+        part = os.environ.get(ENV)
+        if part:
+            merge_part(OUT, part, f, run_meta())
+            terminalreporter.line(f"{ENV}: part {part!r} written to {OUT.relative_to(REPO)}")
+
+
+def run_meta() -> dict:
+    """What the figures were measured on."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                            capture_output=True).stdout.strip()
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"commit": commit, "cpus": os.cpu_count(), "cpu_model": model,
+            "recorded": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SuiteTimes(config), "suite-times")
