@@ -75,6 +75,12 @@ class Runs:
         return json.loads(path.read_text()) if path.exists() else None
 
     @cached_property
+    def fault_matrix(self) -> dict[str, Any] | None:
+        """tests/e2e/test_fault_matrix.py's run (RECORD_FAULT_MATRIX=1); None until recorded."""
+        path = self.docs / "fault-matrix.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    @cached_property
     def demo(self) -> str:
         return (self.docs / "demo.txt").read_text()
 
@@ -661,7 +667,58 @@ Measured by `RECORD_SUITE_TIMES=1 scripts/test.sh` at commit {t['commit']}, {t['
 """
 
 
+FAULT_MATRIX_CMD = ("RECORD_FAULT_MATRIX=1 .venv/bin/python -m pytest -p no:cacheprovider "
+                    "-p tests.skip_policy tests/e2e/test_fault_matrix.py")
+FAULTS = {
+    "frozen_node": "store node frozen (SIGSTOP)",
+    "killed_node": "store node killed (SIGKILL; the master still lists its objects)",
+    "removed": "objects removed between lookup and load",
+    "master_killed": "master killed",
+    "frozen_master": "master frozen (SIGSTOP)",
+    "full_store": "store full (every byte pinned)",
+}
+
+
+def _fm_evidence(c: dict[str, Any]) -> str:
+    """What proved the cell's fault landed, in a few words."""
+    e = c["evidence"]
+    if "failed_loads" in e:
+        codes = ", ".join(f"`{k}`" for k in sorted(e["codes"]))
+        return f"{e['failed_loads']:.0f} of {e['load_jobs']:.0f} loads failed ({codes})"
+    if "timed_out_lookups" in e:
+        return f"{e['timed_out_lookups']:.0f} lookups timed out"
+    if "failed_lookups" in e:
+        return f"{e['failed_lookups']:.0f} lookups failed"
+    return f"{e['save_keys_lost']:.0f} keys refused"
+
+
+def fault_matrix(r: Runs) -> str:
+    """docs/reliability.md: per fault and layout, the longest a request took under the fault
+    (and the evidence that it landed), from tests/e2e/test_fault_matrix.py's JSON."""
+    f = r.fault_matrix
+    if f is None:
+        return f"\n\nNot recorded yet: `{FAULT_MATRIX_CMD}`.\n\n"
+    rows = list(f["rows"])
+    cells = {(c["row"], c["fault"]): c for c in f["cells"]}
+    out = ["", "", "| fault | " + " | ".join(f"`{x}`" for x in rows) + " |",
+           "|---|" + "---|" * len(rows)]
+    computed = [statistics.median(c["computed_s"] for (row, _), c in cells.items()
+                                  if row == x and "computed_s" in c) for x in rows]
+    out.append("| no fault: the cell's prompts computed | "
+               + " | ".join(f"{v:.2f} s" for v in computed) + " |")
+    for fault in f["faults"]:
+        out.append(f"| {FAULTS.get(fault, fault)} | " + " | ".join(
+            f"{cells[(x, fault)]['paid']['max_s']:.2f} s: {_fm_evidence(cells[(x, fault)])}"
+            for x in rows) + " |")
+    out += ["", f"The slowest of {f['cells'][0].get('requests', 4)} requests per cell, every "
+                f"one HTTP 200 with the reference output (load_timeout_s "
+                f"{f['load_timeout_s']:g} s, lookup_timeout_s {f['lookup_timeout_s']:g} s; "
+                f"load average {f['loadavg_1m']:g}); recorded by `{FAULT_MATRIX_CMD}`.", ""]
+    return "\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
+    "fault-matrix": fault_matrix,
     "failover-timeline": failover_timeline,
     "failover-serve": failover_serve,
     "frozen-get": frozen_get,

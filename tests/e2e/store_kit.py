@@ -3,6 +3,7 @@ connector name, with the in-tree connector's settings, tenants, a disk tier or M
 
 from __future__ import annotations
 
+import random
 import time
 from datetime import datetime
 from typing import Any
@@ -23,6 +24,30 @@ def by_name(role: str = "kv_both", **extra: Any) -> dict[str, Any]:
 def master_metrics(master) -> dict[str, float]:
     """A Mooncake master's own /metrics samples."""
     return parse_metrics(master.metrics_text())
+
+
+def random_prompts(seed: int, n: int = 8) -> list[list[int]]:
+    """`n` prompts of 10 full blocks and 7 tokens that share nothing."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(10 * BLOCK_SIZE + 7)] for _ in range(n)]
+
+
+def wait_for_cache(server: VllmServer, seed: int, timeout: float = 60.0) -> None:
+    """The cache works again (after a fault): a new prompt is saved, then loaded back from the
+    store with the same output."""
+    deadline = time.monotonic() + timeout
+    while True:
+        prompt = random_prompts(seed + int(time.monotonic() * 1000), 1)[0]
+        first = server.complete(prompt)
+        server.reset_prefix_cache()  # waits for the prompt's saves
+        before = server.metrics()
+        assert server.complete(prompt) == first
+        moved = metric_sum(server.metrics(), PREFIX + "load_bytes_total") - metric_sum(
+            before, PREFIX + "load_bytes_total")
+        if moved > 0:
+            return
+        assert time.monotonic() < deadline, "the cache never came back after the fault"
+        time.sleep(1.0)
 
 
 def saved_blocks(prompts: list[list[int]]) -> int:

@@ -27,8 +27,7 @@ from devkit.ha_timeline import measure_failover, record
 from devkit.local_cluster import _wait_segment_mounted
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.conftest import ha_group, in_process_config
-from tests.e2e.test_faults import prompts as random_prompts
-from tests.e2e.test_faults import wait_for_cache
+from tests.e2e.store_kit import random_prompts, wait_for_cache
 
 P = "vllm:mooncake_pool_"
 HITS = "vllm:external_prefix_cache_hits_total"

@@ -30,7 +30,7 @@ PASSAGES = {
     "docs/benchmark.md": {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
                           "docs-serve", "docs-serve-gap"},
     "docs/disk-tier.md": {"docs-disk-tier"},
-    "docs/reliability.md": {"frozen-get"},
+    "docs/reliability.md": {"frozen-get", "fault-matrix"},
     "docs/reliability-failover.md": {"failover-timeline", "failover-serve"},
     "docs/layouts.md": {"layouts-table"},
     "docs/development.md": {"suite-times"},

@@ -1,0 +1,317 @@
+"""The parts of the fault matrix (tests/e2e/test_fault_matrix.py) that are not the cells: a
+row's store (master and store node it may freeze, kill, fill or restart), the evidence a cell
+reads from the engine's and the master's metrics, and the requests it sends.
+
+Every wait here polls for what it waits for, with a bound that holds on a slow host, and
+names what it saw when it gives up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.error
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from connector.metric_catalog import PREFIX as P
+from devkit.local_cluster import HOST, MooncakeMaster, StoreNode, free_port, segment_mounted
+from devkit.processes import freeze, thaw
+from devkit.vllm_server import BLOCK_SIZE, Completion, VllmServer, metric_sum, parse_metrics
+
+NO_SPACE = -200  # Mooncake's NO_AVAILABLE_HANDLE: a put found no free space
+
+
+def poll(what: str, check: Callable[[], Any], timeout: float, every: float = 0.2) -> Any:
+    """`check()` until it returns something true; AssertionError naming `what` and the last
+    value seen after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = check()
+        if seen:
+            return seen
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s (last seen: {seen!r})")
+        time.sleep(every)
+
+
+def prompts(seed: int, n: int, blocks: int = 8) -> list[list[int]]:
+    """`n` prompts of `blocks` full blocks (and 5 tokens more) that share nothing."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(blocks * BLOCK_SIZE + 5)] for _ in range(n)]
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def series(d: dict[str, float], part: str) -> dict[str, float]:
+    """The non-zero samples of `d` whose name contains `part` (for failure messages)."""
+    return {k.removeprefix(P): v for k, v in d.items() if part in k and v}
+
+
+# ---- the store of one row -------------------------------------------------------------------
+@dataclass
+class Store:
+    """A row's master and store node, and a plain client that fills and empties it. Its
+    master never evicts a hard-pinned object (the junk of a full store)."""
+
+    segment: str = "64MB"
+    offload_dir: str | None = None  # a disk tier (the master runs with --enable_offload)
+    master: MooncakeMaster | None = None
+    node: StoreNode | None = None
+    client: Any = None
+    _junk: np.ndarray = field(default_factory=lambda: np.zeros(1 << 20, dtype=np.uint8))
+    _junk_keys: list[str] = field(default_factory=list)
+
+    def start(self) -> Store:
+        self.master = MooncakeMaster(offload=self.offload_dir is not None).start()
+        self.node = StoreNode(self.master, segment_size=self.segment,
+                              offload_path=self.offload_dir).start()
+        return self
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        for proc in (p for p in (self.node and self.node.proc, self.master and self.master.proc)
+                     if p is not None):
+            with contextlib.suppress(ProcessLookupError):
+                thaw(proc)
+        if self.node:
+            self.node.stop()
+        if self.master:
+            self.master.stop()
+
+    # -- what the master says
+    def master_metrics(self) -> dict[str, float]:
+        return parse_metrics(self.master.metrics_text())
+
+    def exist_rpcs(self) -> float:
+        """Batch existence checks the master answered (the connector's lookups are these)."""
+        return metric_sum(self.master_metrics(), "master_batch_exist_key_requests_total")
+
+    def keys(self) -> float:
+        return metric_sum(self.master_metrics(), "master_key_count")
+
+    def healthy(self) -> str:
+        """'' when the master answers and the node's segment is mounted, else what is wrong."""
+        if self.master.proc is None or self.master.proc.poll() is not None:
+            return "master not running"
+        if self.node.proc is None or self.node.proc.poll() is not None:
+            return "store node not running"
+        try:
+            segments = self.master.segments()
+        except OSError as e:
+            return f"master metrics port: {e}"
+        if self.node.segment and self.node.segment not in segments:
+            return f"segment {self.node.segment} not mounted (mounted: {sorted(segments)})"
+        if not segment_mounted(self.master):
+            return "no capacity mounted"
+        if self.offload_dir and not segment_mounted(self.master,
+                                                    "master_total_file_capacity_bytes"):
+            return "disk tier not mounted"
+        return ""
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        poll("store mounted and answering", lambda: not self.healthy() or None, timeout)
+
+    # -- faults and their repair
+    def freeze_node(self) -> None:
+        freeze(self.node.proc)
+
+    def freeze_master(self) -> None:
+        freeze(self.master.proc)
+
+    def thaw_all(self) -> None:
+        for proc in (self.node.proc, self.master.proc):
+            if proc is not None and proc.poll() is None:
+                thaw(proc)
+
+    def kill_node(self) -> None:
+        """SIGKILL: its segment stays listed on the master until the client TTL passes."""
+        os.killpg(self.node.proc.pid, signal.SIGKILL)
+        self.node.proc.wait(timeout=10)
+
+    def replace_node(self, timeout: float = 90.0) -> None:
+        """A new node process on a new port, as after a pod restart, once the master dropped
+        the dead one's segment (else the master would still hand out its objects)."""
+        dead = self.node.segment
+        poll(f"master drops the dead segment {dead}",
+             lambda: dead not in self.master.segments(), timeout, every=0.5)
+        self.node = StoreNode(self.master, segment_size=self.segment, port=free_port(),
+                              offload_path=self.offload_dir).start()
+        self.wait_healthy()
+
+    def kill_master(self) -> None:
+        self._close_client()  # its calls would fail anyway; a fresh one after the restart
+        self.master.kill()
+
+    def restart_master(self) -> None:
+        """Same ports: the engine's breaker and the node reconnect without a restart; the
+        node mounts its segment again (the new master knows no objects)."""
+        self.master.start()
+        poll("store node remounts on the restarted master",
+             lambda: segment_mounted(self.master), 90.0, every=0.5)
+        self.node.segment = next(iter(self.master.segments()), "")
+        self.wait_healthy()
+
+    # -- a plain client: fill, empty
+    def _connected(self) -> Any:
+        if self.client is None:
+            from mooncake.store import MooncakeDistributedStore
+
+            client = MooncakeDistributedStore()
+            assert client.setup(HOST, self.master.metadata_server, 0, 16 * 2**20, "tcp", "",
+                                self.master.address) == 0
+            assert client.register_buffer(self._junk.ctypes.data, self._junk.nbytes) == 0
+            self.client = client
+        return self.client
+
+    def _close_client(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.close()
+            self.client = None
+
+    def remove_all(self) -> int:
+        """Every object gone (leases and pins ignored): what the master lists afterwards."""
+        self._connected().remove_all(True)
+        self._junk_keys.clear()
+        return int(self.keys())
+
+    def fill(self) -> dict[str, float]:
+        """Fill the memory segment with hard-pinned junk (never evicted) until the master's
+        allocated bytes stop growing: 1 MiB puts until one finds no space, then 4 KiB ones
+        (smaller than any block) likewise. Returns what the master says then."""
+        from mooncake.store import ReplicateConfig
+
+        client, cfg = self._connected(), ReplicateConfig()
+        cfg.with_hard_pin = True
+        refused: dict[int, int] = {}
+        for size in (1 << 20, 4096):
+            for _ in range(100_000):
+                key = f"fault-matrix-junk/{size}/{len(self._junk_keys)}"
+                code = client.batch_put_from([key], [self._junk.ctypes.data], [size], cfg)[0]
+                if code != 0:
+                    refused[size] = code
+                    break
+                self._junk_keys.append(key)
+            else:
+                raise AssertionError(f"{size}-byte puts never filled the store")
+        m = self.master_metrics()
+        allocated = metric_sum(m, "master_allocated_bytes")
+        capacity = metric_sum(m, "master_total_capacity_bytes")
+        assert set(refused.values()) == {NO_SPACE}, f"puts refused with {refused}, not no-space"
+        assert capacity - allocated < (1 << 20), (allocated, capacity)
+        return {"allocated_bytes": allocated, "capacity_bytes": capacity,
+                "junk_objects": len(self._junk_keys)}
+
+    def still_full(self) -> bool:
+        """A 4 KiB put still finds no space."""
+        from mooncake.store import ReplicateConfig
+
+        cfg = ReplicateConfig()
+        cfg.with_hard_pin = True
+        key = f"fault-matrix-junk/probe/{time.monotonic_ns()}"
+        code = self._connected().batch_put_from([key], [self._junk.ctypes.data], [4096], cfg)[0]
+        if code == 0:
+            self._junk_keys.append(key)
+        return code == NO_SPACE
+
+
+# ---- requests --------------------------------------------------------------------------------
+@dataclass
+class Reply:
+    status: int
+    output: Completion | None
+    seconds: float
+    error: str = ""
+
+
+def send(server: VllmServer, prompt: list[int], max_tokens: int = 8) -> Reply:
+    """One greedy completion; its HTTP status (the error's, if any) and wall time."""
+    t0 = time.monotonic()
+    try:
+        out = server.complete(prompt, max_tokens=max_tokens)
+        return Reply(200, out, time.monotonic() - t0)
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, None, time.monotonic() - t0, e.read().decode(errors="replace"))
+    except OSError as e:
+        return Reply(0, None, time.monotonic() - t0, repr(e))
+
+
+def burst(server: VllmServer, work: list[list[int]], sequential: bool = False) -> list[Reply]:
+    """The prompts at once (or one after another, for engines that are not batch-invariant)."""
+    if sequential:
+        return [send(server, p) for p in work]
+    with ThreadPoolExecutor(len(work)) as pool:
+        return list(pool.map(lambda p: send(server, p), work))
+
+
+class Filler:
+    """A streamed request that holds one of the engine's sequence slots, generating until
+    `release()` closes its connection (vLLM aborts a request whose client went away)."""
+
+    def __init__(self, server: VllmServer, seed: int) -> None:
+        rng = random.Random(seed)
+        body = json.dumps({
+            "model": server.model, "prompt": [rng.randrange(3, 1000) for _ in range(5)],
+            "max_tokens": server.max_model_len - 16, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}).encode()
+        self._conn = http.client.HTTPConnection(HOST, server.port, timeout=120)
+        self._conn.request("POST", "/v1/completions", body,
+                           {"Content-Type": "application/json"})
+        self._resp = self._conn.getresponse()
+        assert self._resp.status == 200, self._resp.status
+        self.tokens = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._started = threading.Event()
+        self._reader.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(Exception):
+            for line in self._resp:
+                if line.startswith(b"data:") and b"[DONE]" not in line:
+                    self.tokens += 1
+                    self._started.set()
+
+    def running(self, timeout: float = 60.0) -> None:
+        assert self._started.wait(timeout), "a filler request never produced a token"
+
+    def release(self) -> int:
+        """Close the connection; the tokens it had streamed (it must still have been going)."""
+        tokens = self.tokens
+        with contextlib.suppress(Exception):
+            self._conn.sock.shutdown(2)
+        self._conn.close()
+        return tokens
+
+
+@contextlib.contextmanager
+def slots_held(server: VllmServer, n: int, seed: int) -> Iterator[list[Filler]]:
+    """`n` filler requests running (every sequence slot of an engine with max_num_seqs n):
+    requests sent meanwhile wait, their store lookups already started (on arrival)."""
+    fillers = [Filler(server, seed + i) for i in range(n)]
+    try:
+        for f in fillers:
+            f.running()
+        yield fillers
+    finally:
+        for f in fillers:
+            f.release()
+
+
+def record(path: str | Path, doc: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,524 @@
+"""The fault matrix: every store fault on every layout and load mode, in real `vllm serve`
+engines (float32) over a real Mooncake master and store node. A store fault costs at most a
+recompute: per cell, every request completes (HTTP 200) with the outputs of an engine without
+the connector, the engine stays healthy, the fault LANDED (the metric that proves it moved),
+the store hits again once it is restored, and the time a request paid is recorded.
+
+Rows (one engine each, module-scoped; its faults run in sequence on it, the store restored
+between them): see ROWS. Faults: see FAULTS. Each cell:
+1. starts from a healthy store (master answering, the node's segment mounted) and engine;
+2. serves its prompts once (computed; outputs == reference) and waits until their saves
+   settled and the master lists their keys, so the store holds what the requests look up;
+3. injects the fault and sends the requests;
+4. judges: HTTP 200 and reference outputs, /health, and the evidence of its fault: lookups
+   that hit (the requests reached the store) and loads that failed by the expected code, or
+   lookups that timed out or failed, or saves refused by a store checked full first. A
+   failure names the step that did not happen;
+5. restores the store and checks that a prompt saved afterwards is loaded from it.
+
+With RECORD_FAULT_MATRIX=1 the module writes docs/fault-matrix.json (rendered into
+docs/reliability.md by bench/claims.py) once every cell passed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.metric_catalog import PREFIX as P
+from connector.store import TIMEOUT_ENV
+from devkit.tiny_model import make_tiny_llama, make_tiny_mla
+from devkit.vllm_server import BLOCK_SIZE, REPO, VllmServer, connector_kv_config, metric_sum
+from tests.conftest import engine_extra
+from tests.e2e.fault_matrix_kit import (
+    Reply,
+    Store,
+    burst,
+    delta,
+    poll,
+    prompts,
+    record,
+    send,
+    series,
+    slots_held,
+)
+from tests.engines import References, tp_args, tp_env
+
+pytestmark = pytest.mark.timeout(1800)
+
+N = 4  # requests per cell
+BLOCKS = 8  # full blocks per prompt
+THREADS = 2  # receive threads per rank
+LOOKUP_TIMEOUT_S = 1.0
+LOAD_TIMEOUT_S = 2.0
+# Mooncake's own bound on one call, far past every deadline above: a call to a frozen peer
+# provably outlives them, so a request that waited for one could not finish before this.
+FROZEN_CALL_S = 60.0
+CALL_ENV = {var: str(round(FROZEN_CALL_S * unit)) for var, unit in TIMEOUT_ENV.items()}
+JSON = REPO / "docs" / "fault-matrix.json"
+
+MODELS: dict[str, Callable[[Path], Path]] = {
+    "gqa": lambda d: make_tiny_llama(d),  # the session's tiny model (`models`)
+    "gqa-wide": lambda d: make_tiny_llama(d, hidden=256, heads=8, kv_heads=4),  # TP=2 splits
+    "hybrid": lambda d: make_tiny_llama(d, heads=4, kv_heads=2, sliding_window=64),
+    "mla": lambda d: make_tiny_mla(d),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """A layout and load mode: one engine (its model, connector keys, TP size, sequence
+    slots) over a store of its own."""
+
+    model: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
+    disk: bool = False
+    slots: int = N  # --max-num-seqs: fillers hold them all in the "removed" cell
+    sequential: bool = False  # requests one at a time: engines that are not batch-invariant
+    in_step: bool = False  # the cell's loads run inside the engine step
+    groups: int = 1  # KV cache groups: a lookup makes one existence check per group
+    load_timeout_s: float = LOAD_TIMEOUT_S
+    block_size: int = BLOCK_SIZE  # the engine's (vLLM's CPU MLA backend forces 16)
+
+    def blocks(self, prompts: int) -> int:
+        """Full blocks of `prompts` cell prompts, in this engine's block size."""
+        return prompts * (BLOCKS * BLOCK_SIZE) // self.block_size
+
+
+ASYNC = {"sync_load_ms": 0}  # every load asynchronous (by default small ones run in the step)
+ROWS: dict[str, Row] = {
+    "gqa": Row("gqa", ASYNC),
+    # In-step loads (staged transfers, host KV): a budget every 8-block load fits once the
+    # first asynchronous load gave an estimate; a load running at 10x the budget (1 s at
+    # least) is stopped and recomputed.
+    "gqa-in-step": Row("gqa", {"sync_load_ms": 100, "staging": "on"}, in_step=True),
+    "gqa-disk": Row("gqa", {**ASYNC, "enable_offload": True}, disk=True),
+    # Sliding-window layers beside full attention: two KV cache groups, so a failed load is
+    # reported per request (failed_recving; vLLM 0.32 stops on block-level errors there) and
+    # loads never run in the step (the connector keeps them asynchronous).
+    "hybrid": Row("hybrid", ASYNC, groups=2),
+    # MLA on CPU is not batch-invariant (measured: a prompt computed alone and inside a batch
+    # gives different greedy tokens), so its engine runs one sequence at a time, like its
+    # reference (which serves one request after another).
+    "mla": Row("mla", ASYNC, slots=1, sequential=True, block_size=16),
+    # TP=2 on 2 cores: each rank's thread spins on vLLM's step queue, so loads are slow.
+    "tp2": Row("gqa-wide", ASYNC, tp=2, load_timeout_s=10.0),
+}
+FAULTS = ("frozen_node", "killed_node", "removed", "master_killed", "frozen_master",
+          "full_store")
+RESULTS: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def cell_seed(row: str, fault: str, part: int) -> int:
+    return (list(ROWS).index(row) * 100 + FAULTS.index(fault) * 10 + part) * 1000
+
+
+def cell_prompts(row: str, fault: str) -> list[list[int]]:
+    return prompts(cell_seed(row, fault, 1), N, BLOCKS)
+
+
+def probe_prompt(row: str, fault: str) -> list[int]:
+    return prompts(cell_seed(row, fault, 2), 1, BLOCKS)[0]
+
+
+def warm_prompt(row: str) -> list[int]:
+    return prompts(cell_seed(row, FAULTS[0], 3), 1, BLOCKS)[0]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_model) -> dict[str, str]:
+    """The rows' models; `gqa` is the session's tiny model, whose references other files
+    share (tests/engines.py)."""
+    root = tmp_path_factory.mktemp("fault-matrix-models")
+    return {k: tiny_model if k == "gqa" else str(make(root / k)) for k, make in MODELS.items()
+            if any(r.model == k for r in ROWS.values())}
+
+
+# ---- one row: its store and engine ------------------------------------------------------------
+@dataclass
+class Env:
+    name: str
+    row: Row
+    store: Store
+    server: VllmServer
+    model: str
+    references: References
+
+    def want(self, work: list[list[int]]) -> list:
+        """Greedy outputs of an engine without the connector (float32, one request at a
+        time), from the session's reference cache."""
+        return self.references.outputs(self.model, work, tp=self.row.tp)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.server.url + "/health", timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+
+@pytest.fixture(scope="module", params=list(ROWS))
+def env(request, models, references, tmp_path_factory):
+    name, row = request.param, ROWS[request.param]
+    model = models[row.model]
+    # Every prompt the rows of this model and TP size will send, computed while its reference
+    # engine is up, then that engine stopped: the connector's engine gets the CPU.
+    references.outputs(model, [p for r, rr in ROWS.items() if rr.model == row.model
+                               and rr.tp == row.tp for f in FAULTS
+                               for p in (*cell_prompts(r, f), probe_prompt(r, f),
+                                         warm_prompt(r))], tp=row.tp)
+    references.release(model)
+    store = Store(offload_dir=str(tmp_path_factory.mktemp("offload")) if row.disk else None)
+    store.start()
+    kv = connector_kv_config(engine_extra(
+        store.master, cache_prefix=f"matrix-{name}", load_threads=THREADS,
+        lookup_timeout_s=LOOKUP_TIMEOUT_S, load_timeout_s=row.load_timeout_s, **row.extra))
+    server = VllmServer(model, kv, env={**CALL_ENV, **tp_env(row.tp)},
+                        extra_args=(*tp_args(row.tp),
+                                    "--max-num-seqs", str(row.slots)))
+    try:
+        server.start(timeout=600)
+        env = Env(name, row, store, server, model, references)
+        # The store works before the first fault (for in-step rows: a load ran in the step,
+        # so the first cell's loads have an estimate to run in-step by).
+        recovered(env, warm_prompt(name))
+        yield env
+    finally:
+        server.stop()
+        store.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def recorded():
+    """Writes docs/fault-matrix.json with RECORD_FAULT_MATRIX=1, once every cell passed."""
+    yield
+    if os.environ.get("RECORD_FAULT_MATRIX") != "1":
+        return
+    cells = [RESULTS.get((r, f)) for r in ROWS for f in FAULTS]
+    if not all(c and c["outcome"] == "pass" for c in cells):
+        print(f"fault matrix not recorded: {sum(bool(c) for c in cells)} of {len(cells)} "
+              "cells ran, not all passed")
+        return
+    record(JSON, {"what": "fault x layout matrix (tests/e2e/test_fault_matrix.py): per cell, "
+                          f"{N} requests of {BLOCKS} stored blocks each under the fault",
+                  "load_timeout_s": LOAD_TIMEOUT_S, "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+                  "loadavg_1m": round(os.getloadavg()[0], 2),
+                  "rows": {r: {"tp": ROWS[r].tp, "load_timeout_s": ROWS[r].load_timeout_s,
+                               "model": ROWS[r].model, **ROWS[r].extra} for r in ROWS},
+                  "faults": list(FAULTS), "cells": cells})
+
+
+# ---- the cell's steps -------------------------------------------------------------------------
+def m(env: Env) -> dict[str, float]:
+    return env.server.metrics()
+
+
+def stepped(env: Env) -> dict[str, float]:
+    """/metrics after one more engine step: the worker's gauges (threads_stuck,
+    staging_buffers) reach /metrics with a step's output, so an idle engine would show the
+    last busy step's values forever. The request is shorter than a block (no lookup, no
+    load, no save)."""
+    assert send(env.server, [5, 6, 7], max_tokens=1).status == 200
+    return m(env)
+
+
+def judge(env: Env, replies: list[Reply], want: list, step: str) -> None:
+    """Every request completed, with the reference output; the engine is healthy."""
+    bad = [(r.status, r.error[:300]) for r in replies if r.status != 200]
+    assert not bad, f"{step}: requests failed: {bad}"
+    assert [r.output for r in replies] == want, f"{step}: outputs differ from the reference"
+    assert env.healthy(), f"{step}: the engine is not healthy:\n{env.server.log_tail(30)}"
+
+
+def settled(env: Env, before: dict[str, float], blocks: int, errors_ok: bool = False
+            ) -> dict[str, float]:
+    """Until the saves since `before` settled `blocks` keys per rank-shard (written, skipped
+    or failed); returns the delta. Without errors_ok none may have failed."""
+    want = blocks * env.row.tp
+
+    def done() -> dict[str, float] | None:
+        d = delta(m(env), before)
+        n = sum(metric_sum(d, P + f + "_total")
+                for f in ("save_keys", "save_skipped_keys", "save_error_keys"))
+        return d if n >= want else None
+
+    d = poll(f"saves settle {want} keys", done, 120.0)
+    if not errors_ok:
+        assert metric_sum(d, P + "save_error_keys_total") == 0, series(d, "save")
+    return d
+
+
+def fill(env: Env, work: list[list[int]], want: list) -> None:
+    """The prompts computed once and stored: saves settled, the master lists their keys
+    (at least the keys written, none evicted), vLLM's local cache dropped."""
+    keys0 = env.store.keys()
+    before = m(env)
+    judge(env, burst(env.server, work, env.row.sequential), want, "fill (computed pass)")
+    d = settled(env, before, env.row.blocks(len(work)))
+    written = metric_sum(d, P + "save_keys_total")
+    assert env.store.keys() >= keys0 + written, (env.store.keys(), keys0, written)
+    env.server.reset_prefix_cache()
+
+
+def start_healthy(env: Env) -> None:
+    """A cell starts on a mounted, answering store and a healthy engine with no stuck thread
+    and no staging buffer beyond the live threads' (receive threads, in-step, save: per
+    rank), so a frozen call of an earlier cell leaked nothing."""
+    env.store.wait_healthy()
+    assert env.healthy(), env.server.log_tail(30)
+    most = env.row.tp * (THREADS + 2)
+
+    seen: list[str] = []
+
+    def clean() -> bool:
+        now = stepped(env)
+        stuck, buffers = (metric_sum(now, P + "threads_stuck"),
+                          metric_sum(now, P + "staging_buffers"))
+        seen.append(f"{stuck:.0f} stuck, {buffers:.0f} buffers")
+        return stuck == 0 and buffers <= most
+
+    try:
+        poll(f"no stuck job thread, at most {most} staging buffers", clean, 90.0, every=1.0)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {seen[-1]}") from None
+    env.server.reset_prefix_cache()
+
+
+def recovered(env: Env, prompt: list[int], timeout: float = 120.0) -> dict[str, float]:
+    """A prompt served, saved, then served again from the store (loaded without error; for
+    in-step rows, inside the step): the cache works after the fault. Returns what the hit
+    took."""
+    want = env.want([prompt])[0]
+    seen: list[str] = []
+
+    def hit() -> dict[str, float] | None:
+        first = send(env.server, prompt)
+        assert first.status == 200 and first.output == want, (first.status, first.error)
+        env.server.reset_prefix_cache()  # every save so far in the store
+        before = m(env)
+        again = send(env.server, prompt)
+        assert again.status == 200 and again.output == want, (again.status, again.error)
+        d = delta(m(env), before)
+        loaded = metric_sum(d, P + "load_bytes_total")
+        errors = metric_sum(d, P + "load_jobs_total", status="error")
+        sync = metric_sum(d, P + "ttft_store_seconds_count", mode="sync")
+        seen.append(f"loaded {loaded:.0f} B, {errors:.0f} errors, {sync:.0f} in-step")
+        if loaded > 0 and errors == 0 and (sync > 0 or not env.row.in_step):
+            return {"seconds": round(again.seconds, 3), "loaded_bytes": loaded}
+        return None
+
+    try:
+        return poll("hits after recovery", hit, timeout, every=1.0)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; tries: {seen}") from None
+
+
+def paid(replies: list[Reply], since: float = 0.0) -> dict[str, float]:
+    secs = [max(0.0, r.seconds - since) for r in replies]
+    return {"max_s": round(max(secs), 3), "median_s": round(statistics.median(secs), 3)}
+
+
+# ---- faults: each injects, sends the requests, judges the evidence, restores -----------------
+def looked_up_and_hit(d: dict[str, float], n: int) -> float:
+    hits = metric_sum(d, P + "lookups_total", result="hit")
+    assert hits >= n, (f"the requests did not reach the store: {hits:.0f} lookups hit for {n} "
+                       f"requests ({series(d, 'lookups_total')})")
+    return hits
+
+
+def codes(d: dict[str, float], op: str = "") -> dict[str, float]:
+    """Failed store operations since `d`'s start: "op code" -> count (`op` alone: its codes)."""
+    out: dict[str, float] = {}
+    for k, v in series(d, "failures_total{").items():
+        labels = dict(part.split("=", 1) for part in k.split("{", 1)[1].rstrip("}").split(","))
+        o, c = labels["op"].strip('"'), labels["code"].strip('"')
+        if not op or o == op:
+            name = c if op else f"{o} {c}"
+            out[name] = out.get(name, 0.0) + v
+    return out
+
+
+def failed_loads(d: dict[str, float], env: Env) -> dict[str, float]:
+    jobs = metric_sum(d, P + "load_jobs_total")
+    failed = metric_sum(d, P + "load_jobs_total", status="error")
+    assert jobs > 0, f"no load started: {series(d, 'load_')}"
+    assert failed > 0, (f"the fault did not land: {jobs:.0f} loads, none failed "
+                        f"({series(d, 'failures_total')})")
+    assert metric_sum(d, P + "load_error_blocks_total") > 0, series(d, "load_error")
+    # The in-step thread counts its jobs under thread="<load_threads>" (after the receive
+    # threads 0..load_threads-1).
+    in_step = metric_sum(d, P + "load_jobs_total", thread=str(THREADS))
+    assert (in_step > 0) == env.row.in_step, \
+        f"in-step loads: {in_step:.0f} ({series(d, 'load_jobs_total')})"
+    return {"load_jobs": jobs, "failed_loads": failed, "in_step_jobs": in_step,
+            "codes": codes(d, "load")}
+
+
+def one_load_each(d: dict[str, float], env: Env, n: int) -> None:
+    """One load job per request and rank: a request whose load failed is recomputed, never
+    loaded again."""
+    jobs = metric_sum(d, P + "load_jobs_total")
+    assert jobs == n * env.row.tp, f"{jobs:.0f} load jobs for {n} requests x {env.row.tp} ranks"
+
+
+def frozen_node(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
+    """SIGSTOP the store node: every load's call hangs; each job ends at its deadline
+    (load_timeout_s, or 10x sync_load_ms in the step) and vLLM recomputes."""
+    before = m(env)
+    env.store.freeze_node()
+    try:
+        replies = burst(env.server, work, env.row.sequential)
+        d = delta(m(env), before)  # before the thaw: no frozen call has returned yet
+    finally:
+        env.store.thaw_all()
+    hits = looked_up_and_hit(d, len(work))
+    ev = failed_loads(d, env)
+    assert set(ev["codes"]) == {"timeout"}, f"loads failed by other codes than the deadline: {ev}"
+    assert max(r.seconds for r in replies) < FROZEN_CALL_S, "a request waited for the frozen call"
+    # Once the stuck calls returned, every load is counted: one per request and rank (a
+    # request whose load failed is recomputed, never loaded again).
+    thawed = time.monotonic()
+    poll("the stuck calls return once the node answers",
+         lambda: metric_sum(stepped(env), P + "threads_stuck") == 0, FROZEN_CALL_S + 30,
+         every=1.0)
+    ev["stuck_calls_returned_s"] = round(time.monotonic() - thawed, 2)
+    one_load_each(delta(m(env), before), env, len(work))
+    return replies, {"lookup_hits": hits, **ev}, 0.0
+
+
+def killed_node(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
+    """SIGKILL the store node: the master still lists its objects (until its client TTL),
+    so lookups hit and each load fails at the transfer."""
+    before = m(env)
+    env.store.kill_node()
+    replies = burst(env.server, work, env.row.sequential)
+    d = delta(m(env), before)
+    hits = looked_up_and_hit(d, len(work))
+    ev = failed_loads(d, env)
+    one_load_each(d, env, len(work))
+    env.store.replace_node()
+    return replies, {"lookup_hits": hits, **ev}, 0.0
+
+
+def removed(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
+    """The objects are removed between the requests' lookups and their loads. Filler requests
+    hold every sequence slot, so the requests wait unscheduled while their lookups (started
+    on arrival) run; once the master answered one batch existence check per request, every
+    object is removed, then the slots are freed: the loads find nothing (deterministic: the
+    lookups are known done, and no load can start before the slots are free)."""
+    before = m(env)
+    replies: list[Reply] = []
+    with slots_held(env.server, env.row.slots, cell_seed(env.name, "removed", 5)) as fillers:
+        rpcs0, lookups = env.store.exist_rpcs(), len(work) * env.row.groups
+        sent = time.monotonic()
+        sender = threading.Thread(target=lambda: replies.extend(burst(env.server, work)))
+        sender.start()
+        seen: list[float] = []
+
+        def answered() -> bool:
+            seen.append(env.store.exist_rpcs() - rpcs0)
+            return seen[-1] >= lookups
+
+        try:
+            poll(f"the master answers {lookups} existence checks (one per request and KV "
+                 "cache group)", answered, 60.0, every=0.05)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {seen[-1]:.0f} answered") from None
+        gone = env.store.remove_all()
+        assert gone == 0, f"the master still lists {gone} keys"
+        assert all(f.tokens < env.server.max_model_len - 16 for f in fillers)
+        assert not replies, "a request completed while every slot was held"
+        released = time.monotonic()
+    sender.join()
+    waited = released - sent
+    d = delta(m(env), before)
+    hits = looked_up_and_hit(d, len(work))
+    ev = failed_loads(d, env)
+    one_load_each(d, env, len(work))
+    return replies, {"lookup_hits": hits, "exist_rpcs_before_removal": len(work), **ev}, waited
+
+
+def master_killed(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
+    """SIGKILL the master: lookups fail at once (RPC errors, then an open breaker): misses,
+    computed. Restarted on the same ports, it knows no objects; the node remounts."""
+    before = m(env)
+    env.store.kill_master()
+    try:
+        replies = burst(env.server, work, env.row.sequential)
+        d = delta(m(env), before)
+    finally:
+        env.store.restart_master()
+    failed = metric_sum(d, P + "lookups_total", result="error") + \
+        metric_sum(d, P + "lookups_total", result="timeout")
+    assert failed >= len(work), f"lookups did not fail: {series(d, 'lookups_total')}"
+    assert metric_sum(d, P + "lookups_total", result="hit") == 0
+    return replies, {"failed_lookups": failed, "codes": codes(d)}, 0.0
+
+
+def frozen_master(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
+    """SIGSTOP the master: each lookup is a miss after lookup_timeout_s, the request computed:
+    a frozen master costs at most a lookup timeout."""
+    before = m(env)
+    env.store.freeze_master()
+    try:
+        replies = burst(env.server, work, env.row.sequential)
+        d = delta(m(env), before)
+    finally:
+        env.store.thaw_all()
+    timeouts = metric_sum(d, P + "lookups_total", result="timeout")
+    assert timeouts >= len(work), f"lookups did not time out: {series(d, 'lookups_total')}"
+    assert max(r.seconds for r in replies) < FROZEN_CALL_S, "a request waited for the master"
+    return replies, {"timed_out_lookups": timeouts}, 0.0
+
+
+def full_store(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
+    """The memory segment filled with pinned objects (nothing the master may evict) until it
+    refuses a 4 KiB put; new prompts are computed and their saves refused, counted."""
+    assert env.store.remove_all() == 0
+    full = env.store.fill()
+    assert env.store.still_full(), "the store has room again"
+    before = m(env)
+    replies = burst(env.server, work, env.row.sequential)
+    d = settled(env, before, env.row.blocks(len(work)), errors_ok=True)
+    lost = metric_sum(d, P + "save_error_keys_total")
+    assert lost > 0, f"no save was refused: {series(d, 'save')}"
+    assert env.store.still_full(), "the store had room during the requests"
+    assert env.store.remove_all() == 0
+    return replies, {"save_keys_lost": lost, "saves_written": metric_sum(d, P + "save_keys_total"),
+                     **full, "codes": codes(d)}, 0.0
+
+
+CELLS = {"frozen_node": frozen_node, "killed_node": killed_node, "removed": removed,
+         "master_killed": master_killed, "frozen_master": frozen_master,
+         "full_store": full_store}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_cell(env: Env, fault: str) -> None:
+    result: dict[str, Any] = {"row": env.name, "fault": fault, "outcome": "fail",
+                              "requests": N}
+    RESULTS[(env.name, fault)] = result
+    start_healthy(env)
+    work = cell_prompts(env.name, fault)
+    want = env.want(work)
+    if fault != "full_store":  # the store holds what the requests will look up
+        t0 = time.monotonic()
+        fill(env, work, want)
+        result["computed_s"] = round(time.monotonic() - t0, 3)
+    replies, evidence, waited = CELLS[fault](env, work)
+    result.update(evidence=evidence, http=sorted({r.status for r in replies}),
+                  paid=paid(replies, waited))
+    judge(env, replies, want, f"{fault} requests")
+    result["recovery"] = recovered(env, probe_prompt(env.name, fault))
+    result["outcome"] = "pass"
+    print(f"{env.name} x {fault}: {result}")
