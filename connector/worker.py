@@ -71,18 +71,21 @@ SHUTDOWN_BOUND_S = SHUTDOWN_SAVE_DRAIN_S + SHUTDOWN_WAIT_S
 
 
 def shutdown_timeout_warning(vllm_config: Any, saves: bool) -> str | None:
-    """vLLM (0.32) gives EngineCore `--shutdown-timeout` seconds after SIGTERM and kills it
-    at once when that is 0, its default (v1/engine/utils.py: the process manager's terminate,
-    then a kill past a deadline of 0 s): no connector shutdown runs, and saves still queued
-    are lost. The one-line warning for an engine that saves under that default, or None."""
+    """vLLM (0.32) gives EngineCore `--shutdown-timeout` seconds after SIGTERM, then kills it
+    and its workers; at 0, its default, right away (v1/utils.py::shutdown: terminate, then a
+    kill past a deadline of 0 s). The connector's shutdown may start, but is cut short: saves
+    still queued are lost, uncounted (an idle engine's stop at 0 was seen to log its account of
+    0 keys before the kill, so that a stop logged it is no proof the timeout is long enough).
+    The one-line warning for an engine that saves under such a timeout, or None."""
     timeout = getattr(vllm_config, "shutdown_timeout", None)
     if not saves or timeout is None or timeout > SHUTDOWN_BOUND_S:
         return None
+    when = "at once" if not timeout else f"{timeout} s after it"
     return (f"vLLM's --shutdown-timeout is {timeout} s: at SIGTERM vLLM kills EngineCore "
-            f"{'at once' if not timeout else 'before'} the connector's shutdown (up to "
-            f"{SHUTDOWN_BOUND_S:.0f} s) can write the saves still queued; start vllm serve with "
-            "--shutdown-timeout 30 (the chart's deploymentDefaults.shutdownTimeout), and a "
-            "termination grace period above it")
+            f"{when}, which can cut the connector's shutdown (up to {SHUTDOWN_BOUND_S:.0f} s) "
+            "short and lose the saves still queued; start vllm serve with --shutdown-timeout 30 "
+            "(the chart's deploymentDefaults.shutdownTimeout), and a termination grace period "
+            "above it")
 
 
 def disk_staged_bytes(block_bytes: int) -> int:

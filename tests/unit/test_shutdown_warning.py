@@ -1,6 +1,6 @@
 """The startup warning for vLLM's default `--shutdown-timeout` of 0, at which vLLM 0.32 kills
-EngineCore at once on SIGTERM (v1/engine/utils.py: terminate, then kill past a 0 s deadline), so
-no connector shutdown runs and queued saves are lost."""
+EngineCore and its workers right after SIGTERM (v1/utils.py::shutdown: terminate, then kill past
+a 0 s deadline), so the connector's shutdown is cut short and queued saves are lost."""
 
 from __future__ import annotations
 
