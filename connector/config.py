@@ -123,10 +123,9 @@ KEYS: tuple[Key, ...] = (
     Key("transfer_timeout", "float", None,
         "in-tree field, seconds: Mooncake's own call timeouts (`MC_TCP_STATUS_TIMEOUT_SEC`, "
         "`MC_TRANSFER_TIMEOUT`, `MC_RPC_TIMEOUT_MS`) unless the environment sets them; the only "
-        "bound on zero-copy transfers, which hold their request's blocks until they return",
-        lo=0.1, hi=3600, mooncake=True,
-        shown="`load_timeout_s` where transfers are zero-copy (`staging: off`, or `auto` on "
-              "GPUs and RDMA), else Mooncake's (30 s)"),
+        "bound on zero-copy transfers, which hold their request's blocks until they return, "
+        "and on a staged call's hold on its thread (a staged save's put, a shutdown)",
+        lo=0.1, hi=3600, mooncake=True, shown="`load_timeout_s`"),
     # Connector keys: extra_config only.
     Key("load_threads", "int", 1,
         "receive threads, 1..64, or `auto`: the connector adapts the number of active threads "
@@ -221,8 +220,9 @@ KEYS: tuple[Key, ...] = (
     Key("save_timeout_s", "float", 30.0,
         "deadline of a save job, from its enqueue: one that has not read its blocks yet is "
         "dropped and its request's blocks released; one reading them (a zero-copy put, a staged "
-        "copy) keeps them until the call returns (`transfer_timeout`); a thread whose own call "
-        "outlives it is replaced", lo=0.1, hi=3600),
+        "gather) keeps them until that call returns (`transfer_timeout`; a gather: memory "
+        "speed) and never reads them again; a thread whose own call outlives it is replaced",
+        lo=0.1, hi=3600),
     # Tenants and the disk tier (docs/tenants.md, docs/disk-tier.md).
     Key("tenant_id", "text", DEFAULT_TENANT, "in-tree field: the Mooncake tenant of this "
         "engine's store client (its key namespace and, on a master with "

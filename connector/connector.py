@@ -111,6 +111,10 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                         "nothing; set store_tp_size to a multiple of %d to save too",
                         layout.shards, layout.tp_size, layout.tp_size)
                 self._trace(self.scheduler, 0, "scheduler")
+                from connector.worker import shutdown_timeout_warning
+
+                if note := shutdown_timeout_warning(vllm_config, self.config.enable_save):
+                    logger.warning("PooledMooncakeStoreConnector: %s", note)
             else:
                 self._start_worker(vllm_config, kv_cache_config)
         except StoreUnavailable as e:

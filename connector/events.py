@@ -33,7 +33,7 @@ class LoadEvent:
     thread: int | None  # the receive thread's slot; None: the job expired before one took it
     tp_rank: int
     request_hash: str  # a digest of the request id: span attribute, never a metric label
-    keys: int
+    keys: int  # blocks the job asked for
     nbytes: int
     failed_blocks: int
     code: str  # "" on success, else a Mooncake error code or "exception"
@@ -46,6 +46,8 @@ class LoadEvent:
     trace_parent: Any = None  # OpenTelemetry context captured at enqueue
     # With tier_metrics: tier (memory, disk, unknown) -> (prompt tokens, bytes) loaded from it.
     tiers: dict[str, tuple[int, int]] | None = None
+    loaded_keys: int = 0  # store objects read whole (one per block and shard): load_keys
+    group: int = 0  # the KV cache group of `keys` blocks (hybrid models: one job per group)
 
     @property
     def ok(self) -> bool:

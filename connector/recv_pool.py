@@ -14,11 +14,15 @@ Mooncake's own timeouts. With `deadline_s`, a job's deadline is `deadline_s` aft
 submitted: a job still queued then is expired and never starts, and a running one is expired
 (`on_expire(job, reason, slot)`), so the request goes on (vLLM recomputes) instead of waiting.
 What keeps memory safe is the job's `Ticket`: a handler reads or writes memory vLLM owns only
-inside `ticket.touching()`, and nothing expires a ticket in that state (it waits for the block
-to exit; `drop` likewise). A thread is *stuck* only when its own call outlives `deadline_s`
-(queue time does not count): it is retired, its slot gets a fresh thread (and with it fresh
-thread-local buffers, see the worker), at most `max_stuck` of them at a time, and the old
-thread exits once its call returns, after `on_retire()` has released what it held.
+inside `ticket.touching()`, and nothing expires a ticket in that state (the watchdog looks again
+once the block exits; `drop` marks it, and it is expired as the block exits). `touching()` itself
+refuses once the deadline has passed (and expires the job), so a chain of touching calls (a
+chunked get, a save of several staging buffers) stops at the deadline: a job's total time is
+its deadline plus at most the one call under way then.
+A thread is *stuck* only when its own call outlives `deadline_s` (queue time does not count):
+it is retired, its slot gets a fresh thread (and with it fresh thread-local buffers, see the
+worker), at most `max_stuck` of them at a time, and the old thread exits once its call
+returns, after `on_retire()` has released what it held.
 """
 
 from __future__ import annotations
@@ -42,16 +46,20 @@ TIMEOUT = "timeout"  # the reason given to on_expire for a job past its deadline
 class Ticket(Generic[J]):
     """One job's state, shared by its thread, the watchdog and `drop` under the pool's lock."""
 
-    __slots__ = ("job", "deadline", "state", "slot", "started", "stuck", "_lock")
+    __slots__ = ("job", "deadline", "state", "slot", "started", "stuck", "cancel", "_lock",
+                 "_report")
 
-    def __init__(self, job: J, deadline: float, lock: threading.Lock) -> None:
+    def __init__(self, job: J, deadline: float, lock: threading.Lock,
+                 report: Callable[[Ticket[J], str], None] | None = None) -> None:
         self.job = job
         self.deadline = deadline
         self.state = QUEUED
         self.slot: int | None = None  # the slot whose thread runs it (None while queued)
         self.started = 0.0  # monotonic time a thread took it
         self.stuck = False  # its thread's call outlived the bound (noted once)
+        self.cancel = ""  # dropped while touching: expired with this reason as the block exits
         self._lock = lock
+        self._report = report  # reports a job this ticket expired itself (the pool's)
 
     @property
     def expired(self) -> bool:
@@ -66,14 +74,35 @@ class Ticket(Generic[J]):
 
     @contextlib.contextmanager
     def touching(self) -> Iterator[bool]:
-        """Yields True if the job may read or write memory vLLM owns (it has not expired and
-        was not dropped); nothing can expire it until the block exits."""
-        ok = self._move((RUNNING,), TOUCHING)
+        """Yields True if the job may read or write memory vLLM owns (it has not expired, was
+        not dropped, and its deadline has not passed); nothing can expire it until the block
+        exits. Past the deadline it yields False and expires the job (reported once, here or
+        by the watchdog, whichever comes first)."""
+        late = False
+        with self._lock:
+            ok = self.state == RUNNING
+            if ok and self.deadline and time.monotonic() >= self.deadline:
+                self.state, ok, late = EXPIRED, False, True
+            elif ok:
+                self.state = TOUCHING
+        if late:
+            self._expired_here(TIMEOUT)
         try:
             yield ok
         finally:
             if ok:
-                self._move((TOUCHING,), RUNNING)
+                with self._lock:
+                    reason, self.cancel = self.cancel, ""
+                    if self.state == TOUCHING:
+                        self.state = EXPIRED if reason else RUNNING
+                    else:
+                        reason = ""
+                if reason:
+                    self._expired_here(reason)
+
+    def _expired_here(self, reason: str) -> None:
+        if self._report is not None:
+            self._report(self, reason)
 
     def finish(self) -> bool:
         """Mark the job done; False if it was expired or dropped first (that reported it)."""
@@ -127,15 +156,20 @@ class RecvPool(Generic[J]):
         return len(self.inflight)
 
     def _spawn(self, slot: int) -> None:
+        """Start a thread for `slot`; one that fails to start leaves the slot as it was."""
         t = threading.Thread(target=self._run, args=(slot,), name=f"{self._name}-{slot}",
                              daemon=True)
-        self._owner[slot] = t
+        prev, self._owner[slot] = self._owner[slot], t
+        try:
+            t.start()
+        except BaseException:
+            self._owner[slot] = prev
+            raise
         self._threads = [th for th in self._threads if th.is_alive()] + [t]
-        t.start()
 
     def submit(self, job: J) -> None:
         deadline = time.monotonic() + self._deadline_s if self._deadline_s > 0 else 0.0
-        ticket = Ticket(job, deadline, self._lock)
+        ticket = Ticket(job, deadline, self._lock, self._report)
         with self._lock:
             if self._closing:
                 closing = True
@@ -187,13 +221,18 @@ class RecvPool(Generic[J]):
         """Expire now every queued job (and, with `running`, every running one not inside
         `touching()`) that `match`es, but the `spare` oldest queued ones, reporting each with
         `reason`; returns how many. A running job's thread goes on with its call, but may no
-        longer touch vLLM's memory."""
+        longer touch vLLM's memory. With `running`, a job inside `touching()` is marked and
+        expired as its block exits (not counted here): it never touches the memory again."""
         with self._lock:
             states = (QUEUED, RUNNING) if running else (QUEUED,)
             hit = [t for t in (*self._jobs, *self._current.values())
                    if t.state in states and match(t.job)][spare:]
             for t in hit:
                 t.state = EXPIRED
+            if running:
+                for t in self._current.values():
+                    if t.state == TOUCHING and match(t.job):
+                        t.cancel = reason
             if hit:
                 self._prune()
         for t in hit:
@@ -263,6 +302,11 @@ class RecvPool(Generic[J]):
                 logger.exception("%s: releasing a retired thread's buffers failed", self._name)
 
     # ---- deadlines -------------------------------------------------------------------------
+    def _report(self, ticket: Ticket[J], reason: str) -> None:
+        """A ticket expired itself (its deadline passed at a touching(), or it was dropped
+        while touching): report it like the watchdog would."""
+        self._expire_now(ticket.job, reason, ticket.slot)
+
     def _expire_now(self, job: J, reason: str, slot: int | None) -> None:
         self.expired += 1
         if self._on_expire is not None:
@@ -272,34 +316,55 @@ class RecvPool(Generic[J]):
                 logger.exception("%s: reporting an expired job failed", self._name)
 
     def _watch(self) -> None:
+        """Every tick: expire what is past its deadline, retire stuck threads. Nothing may end
+        it (a replacement thread that fails to start, a callback that raises): `_load_in_step`
+        and every deadline depend on it, so a failed tick is logged and the next one runs."""
         while True:
             time.sleep(WATCHDOG_TICK_S)
-            now = time.monotonic()
-            expired: list[Ticket[J]] = []
-            replaced_before = self.replaced
-            with self._lock:
-                if self._closing and not self._live:
+            try:
+                if self._tick():
                     return
-                keep: deque[Ticket[J]] = deque()
-                while self._live and self._live[0].deadline <= now:
-                    t = self._live.popleft()
-                    if t.state in (QUEUED, RUNNING):
-                        t.state = EXPIRED
-                        expired.append(t)
-                    elif t.state == TOUCHING:  # never inside touching(): look again next tick
-                        keep.append(t)
-                self._live.extendleft(reversed(keep))
-                if any(t.slot is None for t in expired):
-                    self._prune()
+            except Exception:
+                logger.exception("%s watchdog: tick failed; it goes on", self._name)
+
+    def _tick(self) -> bool:
+        """One watchdog pass; True once the pool is closed and nothing is left to expire.
+
+        What is expired and which threads are stuck are both decided under one hold of the
+        lock, at one instant, before any callback runs: an `on_expire` wakes whoever waits for
+        the job (an in-step load's step), which may end the stuck call at once (a store node
+        that answers again); a thread stuck at `now` must be retired all the same, or a call
+        that outlived its bound goes uncounted (threads_replaced) depending on who ran first."""
+        now = time.monotonic()
+        expired: list[Ticket[J]] = []
+        replaced_before = self.replaced
+        with self._lock:
+            if self._closing and not self._live:
+                return True
+            keep: deque[Ticket[J]] = deque()
+            while self._live and self._live[0].deadline <= now:
+                t = self._live.popleft()
+                if t.state in (QUEUED, RUNNING):
+                    t.state = EXPIRED
+                    expired.append(t)
+                elif t.state == TOUCHING:  # never inside touching(): look again next tick
+                    keep.append(t)
+            self._live.extendleft(reversed(keep))
+            if any(t.slot is None for t in expired):
+                self._prune()
+            try:  # a failed retirement must not keep the expired jobs from being reported
                 for holder, t in list(self._current.items()):
                     if not t.stuck and now - t.started > self._deadline_s:
                         t.stuck = True
                         self._retire(holder, t)
-            for t in expired:
-                self._expire_now(t.job, TIMEOUT, t.slot)
-            for _ in range(self.replaced - replaced_before):
-                if self._on_replace is not None:
-                    self._on_replace()
+            except Exception:
+                logger.exception("%s watchdog: retiring a stuck thread failed", self._name)
+        for t in expired:
+            self._expire_now(t.job, TIMEOUT, t.slot)
+        for _ in range(self.replaced - replaced_before):
+            if self._on_replace is not None:
+                self._on_replace()
+        return False
 
     def _retire(self, holder: threading.Thread, ticket: Ticket[J]) -> None:
         """Called with the lock held: `holder` has been inside one call for longer than the
@@ -311,30 +376,44 @@ class RecvPool(Generic[J]):
                            "already wait for their calls; its slot waits too", self._name,
                            self._deadline_s, self.stuck)
             return
+        try:
+            self._spawn(ticket.slot)
+        except Exception:  # e.g. no thread can start now: try again next tick
+            ticket.stuck = False
+            logger.exception("%s: replacing stuck thread %d failed", self._name, ticket.slot)
+            return
         self.stuck += 1
         self.replaced += 1
         self.inflight[ticket.slot] = 0
         logger.warning("%s thread %d is stuck in a store call past its %.1fs bound: retired "
                        "(exits when the call returns), replaced by a fresh thread",
                        self._name, ticket.slot, self._deadline_s)
-        self._spawn(ticket.slot)
 
     # ---- shutdown --------------------------------------------------------------------------
-    def close(self, timeout: float = 5.0) -> list[threading.Thread]:
-        """Fail the queued jobs fast, stop the threads, and return those still inside a call
-        after `timeout` (the caller must not free what they use until they return)."""
+    def close(self, timeout: float = 5.0, drain: float = 0.0) -> list[threading.Thread]:
+        """Stop taking jobs, stop the threads, and return those still inside a call after
+        `timeout` (the caller must not free what they use until they return). With `drain`,
+        the threads first go on with the queued jobs for up to `drain` seconds (each still
+        within its deadline); what is still queued then, or without `drain` at once, is
+        failed fast (reported with reason "shutdown")."""
         with self._lock:
-            self._closing = True
+            self._closing = True  # later submits fail at once; parked slots help drain
+            self._park.notify_all()
+            self._work.notify_all()
+        start = time.monotonic()
+        threads = list(self._threads)
+        if drain > 0:  # a thread exits once the queue is empty
+            for t in threads:
+                t.join(max(0.0, start + drain - time.monotonic()))
+        with self._lock:
             queued = [t for t in self._jobs if t.state == QUEUED]
             for t in queued:
                 t.state = EXPIRED
             self._jobs.clear()
-            self._park.notify_all()
             self._work.notify_all()
         for t in queued:
             self._expire_now(t.job, "shutdown", None)
         deadline = time.monotonic() + timeout
-        threads = list(self._threads)
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         busy = [t for t in threads if t.is_alive()]

@@ -158,27 +158,23 @@ class BlockStager:
     def put(self, client: Any, keys: list[str], units: list[int],
             reading: Callable[[], AbstractContextManager[bool]], replicate: Any = None
             ) -> list[int]:
-        """Gather and put a buffer-full at a time; per-key results of `batch_put_from`, or []
-        when `reading()` yields False (the job expired: it must not read the blocks).
+        """Gather and put a buffer-full at a time; per-key results of `batch_put_from` for the
+        buffer-fulls put, stopping (fewer results than keys) at the first `reading()` that
+        yields False (the job expired or was dropped: it must not read the blocks again).
 
-        The KV blocks are read only inside one `reading()`, from the first gather to the
-        last: the puts of earlier chunks run inside it, since a later chunk must never be
-        gathered from blocks vLLM took back meanwhile. The last chunk's put reads only the
-        staging buffer (for a job that fits the buffer, the only put), so the job may be
-        expired during it without harm."""
+        Each gather alone runs inside `reading()`; each put reads only the staging buffer and
+        runs outside it. So the job can be expired (at its deadline) or dropped (a
+        preemption) during any put, and lets go of the blocks at once: a later buffer-full is
+        gathered only if the job still holds them. What holds the blocks is a copy at memory
+        speed, never a store call."""
         results: list[int] = []
         step = self.capacity
-        if not keys:
-            return results
-        with reading() as ok:
-            if not ok:
-                return results
-            for i in range(0, len(keys), step):
+        for i in range(0, len(keys), step):
+            with reading() as ok:
+                if not ok:
+                    return results
                 self.gather(units[i:i + step])
-                if i + step < len(keys):
-                    results.extend(self._put(client, keys[i:i + step], replicate))
-        last = (len(keys) - 1) // step * step
-        results.extend(self._put(client, keys[last:], replicate))
+            results.extend(self._put(client, keys[i:i + step], replicate))
         return results
 
     def _put(self, client: Any, keys: list[str], replicate: Any) -> list[int]:

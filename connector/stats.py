@@ -223,7 +223,7 @@ class StatsRecorder(Subscriber):
                 self._c[stat_key("failures", ev.tp_rank, "load", ev.code)] += 1
                 self._c[self._rkeys["load_error_blocks"]] += ev.failed_blocks
             self._c[k["load_bytes"]] += ev.nbytes
-            self._c[k["load_keys"]] += ev.keys
+            self._c[k["load_keys"]] += ev.loaded_keys
             for tier, (tokens, nbytes) in (ev.tiers or {}).items():
                 self._c[stat_key("load_tier_tokens", ev.tp_rank, tier)] += tokens
                 self._c[stat_key("load_tier_bytes", ev.tp_rank, tier)] += nbytes

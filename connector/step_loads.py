@@ -10,9 +10,14 @@ vLLM lets a connector load a request's prefix two ways:
 
 So a load the scheduler expects to finish within the step budget (`sync_load_ms`, shared by
 every load of the step) runs inside the step, and longer ones stay asynchronous. The estimate
-is the workers' recent transfer time per block (from their `LoadTimes`) of in-step loads, or of
-asynchronous ones until there is none (those overlap a forward pass, so they read slower);
-with no estimate yet, or for `BACKOFF_S` after a load failed, every load is asynchronous.
+is a fixed cost per load plus a cost per token block (`_Fit`: recent loads, exponentially
+weighted), fitted to the workers' `LoadTimes` apart for in-step and asynchronous loads; a load
+is charged the lower of the two predictions. Asynchronous loads overlap a forward pass and read
+slower, so their fit is the pessimistic one: it never keeps a stale in-step fit (one slow in-step
+load would otherwise switch in-step loads off for the life of the process, since no in-step load
+would ever refresh it). A token block is one block of prompt tokens, whatever the number of
+KV cache groups (`RankLoad.blocks`), the unit `take` is charged in.
+With no estimate yet, or for `BACKOFF_S` after a load failed, every load is asynchronous.
 Only workers that report `in_step` (staged transfers: a load past its deadline can be stopped
 before it writes into the cache) get in-step loads; a failed one is recomputed by vLLM like any
 failed load.
@@ -25,7 +30,44 @@ import time
 from connector.ttft import LoadTimes
 
 BACKOFF_S = 10.0
-_EWMA = 0.3
+_EWMA = 0.3  # weight of the newest load in a fit
+
+
+class _Fit:
+    """seconds = fixed + per_block * blocks, by exponentially weighted least squares over the
+    loads seen (the newest weighs `_EWMA`). Both terms stay >= 0; loads all of one size give
+    a per-block cost alone (exact at that size)."""
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, blocks: int, seconds: float) -> None:
+        k = 1.0 - _EWMA
+        self._w = self._w * k + 1.0
+        self._x = self._x * k + blocks
+        self._y = self._y * k + seconds
+        self._xx = self._xx * k + blocks * blocks
+        self._xy = self._xy * k + blocks * seconds
+
+    def terms(self) -> tuple[float, float] | None:
+        """(fixed, per_block), or None before the first load."""
+        w, x, y = self._w, self._x, self._y
+        if w == 0:
+            return None
+        var = w * self._xx - x * x
+        if var <= 1e-9 * x * x:  # one size only: no way to tell the two terms apart
+            return 0.0, (y / x if x else 0.0)
+        per = (w * self._xy - x * y) / var
+        fixed = (y - per * x) / w
+        if per < 0:  # bigger loads were not slower: a fixed cost alone
+            return y / w, 0.0
+        if fixed < 0:  # through the origin
+            return 0.0, self._xy / self._xx
+        return fixed, per
+
+    def cost(self, blocks: int) -> float | None:
+        t = self.terms()
+        return None if t is None else t[0] + t[1] * blocks
 
 
 class StepLoadPolicy:
@@ -34,7 +76,7 @@ class StepLoadPolicy:
     def __init__(self, budget_s: float) -> None:
         self._budget = budget_s
         self._left = budget_s
-        self._per_block: dict[bool, float] = {}  # seconds per block, by in-step or not
+        self._fits = {True: _Fit(), False: _Fit()}  # by in-step or not
         self._in_step = False  # every worker can load inside a step
         self._until = 0.0  # no in-step loads before this (after a failure)
 
@@ -48,20 +90,20 @@ class StepLoadPolicy:
             if load.failed:
                 self._until = time.monotonic() + BACKOFF_S
             elif load.blocks:
-                per = load.transfer / load.blocks
-                prev = self._per_block.get(load.in_step)
-                self._per_block[load.in_step] = per if prev is None else \
-                    prev + _EWMA * (per - prev)
+                self._fits[load.in_step].add(load.blocks, load.transfer)
+
+    def cost(self, blocks: int) -> float | None:
+        """Expected seconds of a load of `blocks` token blocks (None: no estimate yet)."""
+        costs = [c for f in self._fits.values() if (c := f.cost(blocks)) is not None]
+        return min(costs) if costs else None
 
     def take(self, blocks: int) -> bool:
         """True if a load of `blocks` fits in what is left of this step's budget (it is then
         counted against it)."""
-        per_block = self._per_block.get(True, self._per_block.get(False))
-        if not (self._budget and self._in_step and per_block is not None) \
-                or time.monotonic() < self._until:
+        if not (self._budget and self._in_step) or time.monotonic() < self._until:
             return False
-        cost = blocks * per_block
-        if cost > self._left:
+        cost = self.cost(blocks)
+        if cost is None or cost > self._left:
             return False
         self._left -= cost
         return True

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
@@ -90,9 +90,10 @@ class _WorkerLoad:
     t_start: float = math.inf
     t_end: float = 0.0
     t_reported: float = 0.0
-    blocks: int = 0
+    blocks: int = 0  # token blocks (see on_load)
     failed: bool = False
     in_step: bool = False
+    group_blocks: dict[int, int] = field(default_factory=dict)  # blocks per KV cache group
 
 
 class LoadClock(Subscriber):
@@ -134,7 +135,10 @@ class LoadClock(Subscriber):
             w.t_enqueue = min(w.t_enqueue, ev.t_enqueue)
             w.t_start = min(w.t_start, ev.t_start)
             w.t_end = max(w.t_end, ev.t_end)
-            w.blocks += ev.keys
+            # Token blocks: a hybrid model's groups each load (part of) the same prefix, so
+            # the blocks of the group with the most, not their sum (step_loads charges these).
+            w.group_blocks[ev.group] = w.group_blocks.get(ev.group, 0) + ev.keys
+            w.blocks = max(w.group_blocks.values())
             w.failed = w.failed or not ev.ok
 
     def reported(self, req_ids: Iterable[str], now: float, in_step: bool = False) -> None:

@@ -15,14 +15,13 @@
 - Block lifetime (`ledger.RequestLedger`): a request's blocks go back to vLLM (finished_sending
   for a finished request, `handle_preemptions` returning for a preempted one) only once no
   job of it can still read or write them. A job touches vLLM's memory only inside
-  `recv_pool.Ticket.touching()`, which nothing expires: a zero-copy get or put for its whole
-  call, a staged save from its first gather to its last (its last put then reads only the
-  staging buffer), a staged load for each scatter. A save holds its blocks until it ends
-  (so finished_sending means stored), but one past its deadline, or of a preempted request,
-  that is not reading them is expired at once and never reads them again. A zero-copy call
-  cannot be cut short, so its blocks are held until it returns: bounded by Mooncake's own
-  timeouts (`transfer_timeout`; by default `load_timeout_s` where transfers are zero-copy).
-  See docs/reliability-bounds.md.
+  `recv_pool.Ticket.touching()`, which nothing expires and which refuses past the job's
+  deadline: a zero-copy get or put for its whole call, a staged save for each gather (its puts
+  read only the staging buffer), a staged load for each scatter. A save holds its blocks until
+  it ends (so finished_sending means stored), but one past its deadline, or of a preempted
+  request, that is not reading them is expired at once and never reads them again. A zero-copy
+  call cannot be cut short, so its blocks are held until it returns: bounded by Mooncake's own
+  timeouts (`transfer_timeout`; by default `load_timeout_s`). See docs/reliability-bounds.md.
 - Memory under a stuck call: a staged load copies into the KV cache only from its thread's
   staging buffer; a thread whose call outlives the deadline is replaced together with its
   buffer, which is released only once the call returns.
@@ -57,7 +56,6 @@ from connector.store import (
     SHORT_READ_CODE,
     StoreError,
     StoreHandle,
-    apply_transfer_timeout,
     error_code_label,
 )
 from connector.ttft import LoadClock, LoadTimes
@@ -66,15 +64,28 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 PREEMPTION_LOG_S = 5.0  # a preemption still waiting for a call that reads its blocks says so
 _DIRECT_IO = 4096  # the disk tier stages each object DirectIO-aligned, plus two pages
 SHUTDOWN_WAIT_S = 1.0  # for jobs inside a store call at shutdown; then the client closes later
+# At shutdown queued saves go on for this long (then they are counted as lost): with the pools
+# closed side by side, shutdown takes SHUTDOWN_SAVE_DRAIN_S + SHUTDOWN_WAIT_S at most.
+SHUTDOWN_SAVE_DRAIN_S = 2.0
+SHUTDOWN_BOUND_S = SHUTDOWN_SAVE_DRAIN_S + SHUTDOWN_WAIT_S
 
 
-def zero_copy_expected(config: ConnectorConfig, kv_on_host: bool) -> bool:
-    """Whether this worker's transfers will be zero-copy (multi-buffer calls into the KV
-    blocks): `staging: off`, or `auto` where staging does not pay (KV caches off the host, or
-    RDMA). Known before the store client opens, so its timeouts can follow (the one case only
-    registration reveals, single-region blocks in host memory, is handled there)."""
-    return config.staging == "off" or (config.staging == "auto" and (
-        not kv_on_host or config.store.protocol != "tcp"))
+def shutdown_timeout_warning(vllm_config: Any, saves: bool) -> str | None:
+    """vLLM (0.32) gives EngineCore `--shutdown-timeout` seconds after SIGTERM, then kills it
+    and its workers; at 0, its default, right away (v1/utils.py::shutdown: terminate, then a
+    kill past a deadline of 0 s). The connector's shutdown may start, but is cut short: saves
+    still queued are lost, uncounted (an idle engine's stop at 0 was seen to log its account of
+    0 keys before the kill, so that a stop logged it is no proof the timeout is long enough).
+    The one-line warning for an engine that saves under such a timeout, or None."""
+    timeout = getattr(vllm_config, "shutdown_timeout", None)
+    if not saves or timeout is None or timeout > SHUTDOWN_BOUND_S:
+        return None
+    when = "at once" if not timeout else f"{timeout} s after it"
+    return (f"vLLM's --shutdown-timeout is {timeout} s: at SIGTERM vLLM kills EngineCore "
+            f"{when}, which can cut the connector's shutdown (up to {SHUTDOWN_BOUND_S:.0f} s) "
+            "short and lose the saves still queued; start vllm serve with --shutdown-timeout 30 "
+            "(the chart's deploymentDefaults.shutdownTimeout), and a termination grace period "
+            "above it")
 
 
 def disk_staged_bytes(block_bytes: int) -> int:
@@ -100,6 +111,7 @@ class _Job:
     trace_parent: Any
     ready: Any = None  # torch.cuda.Event for saves when the caches are on CUDA
     released: bool = False  # a save: its blocks are no longer needed (guarded by _release_lock)
+    t_started: float = 0.0  # when a thread took it (perf_counter; 0: never)
 
 
 def step_deadline_s(config: ConnectorConfig) -> float:
@@ -137,9 +149,10 @@ class MooncakeStoreWorker:
         self._kv_caches: dict[str, Any] = {}
         self._closed = False
         store_cfg = config.store
-        if store_cfg.transfer_timeout is None and zero_copy_expected(config, kv_on_host):
+        if store_cfg.transfer_timeout is None:
             # A zero-copy call touches the KV blocks for its whole duration, so only Mooncake's
-            # own timeout can bound it: make that the load deadline rather than its 30 s.
+            # own timeout can bound it; a staged one holds its thread (and a staged save's put,
+            # the save and a shutdown) as long: make it the load deadline rather than 30 s.
             store_cfg = replace(store_cfg, transfer_timeout=config.load_timeout_s)
         self._store = StoreHandle(
             store_cfg, store_cfg.global_segment_size, store_cfg.local_buffer_size,
@@ -148,6 +161,7 @@ class MooncakeStoreWorker:
         self.ledger = RequestLedger()
         self._release_lock = threading.Lock()
         self._saves_failing = False  # the last save ended in a store error
+        self._shutdown_lost = 0  # store keys of saves failed at shutdown (logged there)
         # In-step loads (connector.step_loads) run on a thread of their own, labelled
         # thread=load_threads, whose deadline bounds how long a step waits for them.
         self._step_thread = config.load_threads
@@ -207,10 +221,6 @@ class MooncakeStoreWorker:
         self._kv_caches = kv_caches  # registered memory must outlive the store client
         self._staged = self._use_staging()
         self._disk_chunk = self._disk_chunk_blocks()
-        if not self._staged and self.config.store.transfer_timeout is None:
-            # Single-region blocks in host memory: zero-copy after all. The TCP transport
-            # reads these variables when it first connects to a peer, which is after this.
-            apply_transfer_timeout(self.config.load_timeout_s)
         self.load_clock.in_step = self.step_pool is not None and self._staged
         self._early_start = self._early_start and not self._regions.on_cuda
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
@@ -390,8 +400,10 @@ class MooncakeStoreWorker:
         Runs on the model-runner thread before the forward pass, so it waits only for calls
         that are reading or writing the blocks right now: saves not yet reading them are
         dropped at once (the scheduler saves the request again from its new blocks when it
-        resumes). What it waits for is a zero-copy call or a copy, bounded by Mooncake's
-        transfer timeout; it never hands back blocks a call may still touch."""
+        resumes), and one inside such a call is expired as it returns. So the wait is one
+        call at most: a staged gather (memory speed), or a zero-copy put, bounded by
+        Mooncake's transfer timeout (`load_timeout_s` by default; docs/reliability-bounds.md
+        §1). It never hands back blocks a call may still touch."""
         if not meta.preempted:
             return
         ids = set(meta.preempted)
@@ -446,6 +458,9 @@ class MooncakeStoreWorker:
     def _gauges(self) -> WorkerGauges:
         """Sampled at every stats poll; queue depth and in-flight are peaks since the last one."""
         depth, busy = self.pool.take_peaks()
+        if self.step_pool is not None:  # the in-step thread, labelled thread=load_threads
+            step_depth, step_busy = self.step_pool.take_peaks()
+            depth, busy = depth + step_depth, busy + step_busy
         return WorkerGauges(
             load_queue_depth=depth, save_queue_depth=self.save_pool.depth(),
             recv_threads=self.pool.size, recv_threads_active=self.pool.active,
@@ -472,10 +487,12 @@ class MooncakeStoreWorker:
     # ---- load job (runs on a receive thread) -----------------------------------------------
     def _load(self, job: _Job, thread: int, ticket: Ticket[_Job]) -> None:
         t = job.transfer
-        t_start = time.perf_counter()
+        t_start = job.t_started = time.perf_counter()
         t_prepared = t_lookup_end = t_start
         sampled = False
         code, failed, nbytes = "", list(t.block_ids), 0
+        results: list[int] = []
+        want, per = 0, 1
         key_tiers, tiers = None, None
         try:
             client = self._connected()
@@ -495,10 +512,9 @@ class MooncakeStoreWorker:
                 results = stager.get(client, keys, units, ticket.touching, self._disk_chunk)
             else:  # zero-copy: the call itself writes into the KV blocks
                 results = self._get_multi_buffers(client, keys, addrs, plan, ticket)
-            want = plan.block_bytes
+            want, per = plan.block_bytes, plan.pieces
             if not ticket.expired and len(results) != len(keys):
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
-            per = plan.pieces
             failed = sorted({t.block_ids[i // per] for i, r in enumerate(results) if r != want})
             nbytes = sum(r for r in results if r > 0)
             if key_tiers is not None:
@@ -515,16 +531,22 @@ class MooncakeStoreWorker:
                            request_hash(t.req_id), e)
         if not ticket.finish():
             return  # expired: the watchdog reported it, and nothing was copied since
-        if nbytes:
-            self.recorder.count("layout_keys", self.tp_rank, "load", *self._layout_labels[t.group],
-                                n=sum(1 for r in results if r == want))
-        self.ledger.finish_load(t.req_id, failed if code else ())
+        # Store keys read whole, of the blocks loaded (a failed block's other shards are
+        # recomputed with it).
+        loaded = (len(t.block_ids) - len(failed) if code else len(t.block_ids)) * per \
+            if len(results) == len(t.block_ids) * per else 0
+        try:
+            if loaded:
+                self.recorder.count("layout_keys", self.tp_rank, "load",
+                                    *self._layout_labels[t.group], n=loaded)
+        finally:  # whatever fails here, the request's load count must come down
+            self.ledger.finish_load(t.req_id, failed if code else ())
         self.events.load(LoadEvent(
             thread=thread, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=nbytes, failed_blocks=len(failed) if code else 0,
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
-            trace_parent=job.trace_parent, tiers=tiers))
+            trace_parent=job.trace_parent, tiers=tiers, loaded_keys=loaded, group=t.group))
 
     def _get_multi_buffers(self, client: Any, keys: list[str], addrs: Any, plan: ObjectPlan,
                            ticket: Ticket[_Job]) -> list[int]:
@@ -562,11 +584,13 @@ class MooncakeStoreWorker:
         t = job.transfer
         self.ledger.finish_load(t.req_id, t.block_ids)
         now = time.perf_counter()
+        # A job expired while running waited in the queue only until its thread took it.
+        start = job.t_started if slot is not None and job.t_started else now
         self.events.load(LoadEvent(
             thread=slot, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=0, failed_blocks=len(t.block_ids), code=reason,
-            t_enqueue=job.t_enqueue, t_start=now, t_prepared=now, t_lookup_end=now, t_end=now,
-            lookup_sampled=False, trace_parent=job.trace_parent))
+            t_enqueue=job.t_enqueue, t_start=start, t_prepared=start, t_lookup_end=start,
+            t_end=now, lookup_sampled=False, trace_parent=job.trace_parent, group=t.group))
 
     # ---- save job (runs on the save thread) ------------------------------------------------
     def _release(self, job: _Job) -> None:
@@ -657,6 +681,8 @@ class MooncakeStoreWorker:
 
     def _save_lost(self, t: BlockTransfer, reason: str, t_enqueue: float, trace: Any) -> None:
         """A save that wrote nothing: every key it offered is lost (save_error_keys)."""
+        if reason == "shutdown":
+            self._shutdown_lost += self._offered_keys(t)
         now = time.perf_counter()
         self.events.save(SaveEvent(
             tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0,
@@ -666,13 +692,40 @@ class MooncakeStoreWorker:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Fail queued jobs fast, stop the threads, and close the store client only once no
-        thread can still be inside a call on it."""
+        """Stop the pools side by side: queued saves go on for up to SHUTDOWN_SAVE_DRAIN_S,
+        queued loads fail fast (vLLM is stopping), and what is left is counted as lost
+        (save_error_keys, code "shutdown", and one log line). The store client closes only
+        once no thread can still be inside a call on it. Takes SHUTDOWN_BOUND_S at most."""
         if self._closed:
             return
         self._closed = True
-        stuck = self.pool.close(SHUTDOWN_WAIT_S) + self.save_pool.close(SHUTDOWN_WAIT_S) + (
-            self.step_pool.close(SHUTDOWN_WAIT_S) if self.step_pool else [])
+        t0 = time.monotonic()
+        closes = [(self.pool, SHUTDOWN_WAIT_S, 0.0),
+                  (self.save_pool, SHUTDOWN_WAIT_S, SHUTDOWN_SAVE_DRAIN_S)]
+        if self.step_pool is not None:
+            closes.append((self.step_pool, SHUTDOWN_WAIT_S, 0.0))
+        stuck: list[threading.Thread] = []
+
+        def close(pool: RecvPool[_Job], wait: float, drain: float) -> None:
+            stuck.extend(pool.close(wait, drain))
+
+        closers = [threading.Thread(target=close, args=c, name="mcpool-shutdown", daemon=True)
+                   for c in closes]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
+        # The time is in the line so that a stop can be checked against SHUTDOWN_BOUND_S
+        # (tests/e2e/test_graceful_stop.py reads it from the engine's log).
+        took = time.monotonic() - t0
+        if self._shutdown_lost or stuck:
+            logger.warning("shutdown: %d store keys of saves still queued after %.0fs were not "
+                           "saved (counted in save_error_keys); %d threads still inside a store "
+                           "call; took %.2fs", self._shutdown_lost, SHUTDOWN_SAVE_DRAIN_S,
+                           len(stuck), took)
+        else:
+            logger.info("shutdown: 0 store keys lost, every queued save was written; took %.2fs",
+                        took)
         for sub in self.events.subscribers:
             if hasattr(sub, "shutdown"):
                 sub.shutdown()

@@ -191,6 +191,27 @@ def test_vllm_command_and_kv_transfer_config(helm):
     assert args[-4:] == ["--max-model-len", "8192", "--gpu-memory-utilization", "0.9"]
 
 
+def test_engines_get_a_shutdown_timeout_and_a_grace_period_above_it(helm):
+    """vLLM kills EngineCore at once on SIGTERM when --shutdown-timeout is 0 (its default), so
+    the connector's queued saves would be lost: the chart passes 30 s by default (or the value
+    given), and the pod's grace period leaves room after it."""
+    docs = helm.render("-f", str(CI_VALUES), "--set", "deployments[1].shutdownTimeout=90")
+    seen = {}
+    for d in by_kind(docs, "Deployment").values():
+        pod = d["spec"]["template"]
+        if pod["metadata"]["labels"].get("app.kubernetes.io/component") != "vllm":
+            continue
+        c = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")
+        seen[d["metadata"]["name"]] = (int(arg_after(c["args"], "--shutdown-timeout")),
+                                       pod["spec"]["terminationGracePeriodSeconds"])
+    print(seen)
+    assert sorted(t for t, _ in seen.values()) == [30, 30, 90], seen
+    assert all(grace == t + 15 for t, grace in seen.values()), seen
+    r = helm.run("template", RELEASE, str(CHART), *WITH_IMAGE,
+                 "--set", "deploymentDefaults.shutdownTimeout=-1", check=False)
+    assert r.returncode != 0 and "shutdownTimeout" in r.stderr, r.stderr
+
+
 def test_default_render_omits_empty_extra_config(helm):
     c = vllm_containers(helm.render())["engine"]
     kv = json.loads(arg_after(c["args"], "--kv-transfer-config"))

@@ -12,14 +12,20 @@ a save whose existence check hit an RPC failure makes no put; shutdown fails que
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 
 import pytest
 import torch
 
+from connector import recv_pool
+from connector.events import LoadEvent, Subscriber
 from connector.metadata import BlockTransfer, StepMetadata
-from devkit.processes import frozen
+from connector.store import TIMEOUT_ENV
+from connector.worker import SHUTDOWN_BOUND_S
+from devkit.processes import freeze, frozen, thaw
 from tests.worker_kit import hashes, kv_caches, run_step, wait_until
 
 TIMEOUT_S = 1.0
@@ -41,6 +47,10 @@ def stored(make_worker_on, master, prefix: str, n: int = 8):
     hs = hashes(prefix, n)
     run_step(w, StepMetadata(saves=(BlockTransfer("seed", tuple(range(n)), hs),),
                              free_after_jobs=("seed",)))
+    # Mooncake's call timeouts are process-wide, set by the first worker that sets them: the
+    # test's own workers decide them, not this one (it has made its calls).
+    for var in TIMEOUT_ENV:
+        os.environ.pop(var, None)
     return hs
 
 
@@ -54,8 +64,9 @@ def test_loads_past_deadline_are_recomputed_and_never_written(make_worker_on, cl
     prefix = f"deadline-{which}"
     hs = stored(make_worker_on, master, prefix)
     dst = kv_caches(seed=None)
+    # Mooncake's timeout well past the deadline: the calls stay stuck while the test looks.
     w = make_worker_on(master, threads=2, caches=dst, prefix=prefix, load_timeout_s=TIMEOUT_S,
-                       **STAGED)
+                       transfer_timeout=20, **STAGED)
     loads = tuple(BlockTransfer(f"r{i}", tuple(range(10 + 8 * (i % 4), 18 + 8 * (i % 4))), hs)
                   for i in range(6))
     with frozen((node if which == "node" else master).proc):
@@ -134,16 +145,17 @@ def test_zero_copy_load_deadline_defaults_to_load_timeout(make_worker_on, cluste
 def test_save_past_deadline_never_releases_blocks_its_put_reads(make_worker_on, cluster, mode):
     """The put of a save is frozen past save_timeout_s. Its request's blocks must not go back
     to vLLM (finished_sending) while the put may still read them: a zero-copy put reads them
-    for its whole call, a staged save from its first gather to its last (here 4 blocks in two
-    calls of 2, so the second gather comes after the first, frozen, put). When they do go
-    back, this test rewrites them, as vLLM would reuse them; the store must still hold the
-    request's own KV, byte-exact (not another request's, and not removed)."""
+    for its whole call; a staged put reads only its staging buffer (here 4 blocks in two
+    buffer-fulls of 2), so that save lets go of them at its deadline, during its first put,
+    and never gathers the second buffer-full. When they do go back, this test rewrites them,
+    as vLLM would reuse them; the store must hold only the request's own KV, byte-exact."""
     master, node = cluster
     prefix = f"save-deadline-{mode}"
     caches = kv_caches(seed=7)
     original = {n: t[:, 0:4].clone() for n, t in caches.items()}
-    cfg = ZERO_COPY | {"transfer_timeout": 20} if mode == "zero_copy" else STAGED
-    w = make_worker_on(master, caches=caches, prefix=prefix, save_timeout_s=TIMEOUT_S, **cfg)
+    cfg = ZERO_COPY if mode == "zero_copy" else STAGED
+    w = make_worker_on(master, caches=caches, prefix=prefix, save_timeout_s=TIMEOUT_S,
+                       transfer_timeout=20, **cfg)
     hs = hashes(prefix, 4)
     reported: list[float] = []
 
@@ -156,25 +168,221 @@ def test_save_past_deadline_never_releases_blocks_its_put_reads(make_worker_on, 
 
     with frozen(node.proc):
         w.note_free_after(StepMetadata(free_after_jobs=("s",)))
+        t_save = time.monotonic()
         w.start_save(StepMetadata(saves=(BlockTransfer("s", (0, 1, 2, 3), hs),)))
         # The put outlives save_timeout_s (its thread is replaced for it): past the deadline.
-        t_deadline = time.monotonic() + TIMEOUT_S
+        t_deadline = t_save + TIMEOUT_S
         while w.save_pool.replaced == 0 or time.monotonic() < t_deadline + 0.5:
             poll()
             assert time.monotonic() < t_deadline + 10, "the stuck put was never noticed"
             time.sleep(0.01)
-        assert not reported, "blocks went back to vLLM while the put may still read them"
+        if mode == "zero_copy":
+            assert not reported, "blocks went back to vLLM while the put may still read them"
+        else:  # released at the deadline, within a watchdog tick or two
+            assert reported and reported[0] - t_save < TIMEOUT_S + 0.5, reported
     resumed = time.monotonic()
     wait_until(lambda: poll() or reported, 30, "the request never finished after the freeze")
-    assert reported[0] >= resumed
+    if mode == "zero_copy":
+        assert reported[0] >= resumed
     wait_until(lambda: w.ledger.idle() and w.save_pool.stuck == 0, 30, "the put never returned")
     dst = kv_caches(seed=None)
     reader = make_worker_on(master, caches=dst, prefix=prefix, **STAGED)
     done, errors = run_step(reader, StepMetadata(loads=(BlockTransfer("r", (20, 21, 22, 23),
                                                                       hs),)))
-    assert done == {"r"} and errors == set(), "the late put's blocks are not in the store"
+    # Staged: the first buffer-full was put from the staging buffer; the second was never
+    # gathered (the blocks were vLLM's again by then).
+    stored_n = 4 if mode == "zero_copy" else 2
+    assert done == {"r"} and errors == set(range(20 + stored_n, 24)), errors
     for name, want in original.items():
-        assert torch.equal(dst[name][:, 20:24], want), "the store holds rewritten blocks"
+        assert torch.equal(dst[name][:, 20:20 + stored_n], want[:, :stored_n]), \
+            "the store holds rewritten blocks"
+
+
+def test_staged_save_of_three_buffers_lets_a_preemption_go_at_once(make_worker_on, cluster):
+    """A staged save of three buffer-fulls on a frozen store node, then a preemption of its
+    request. The save reads the blocks only while it gathers a buffer-full (memory speed), so
+    handle_preemptions waits for no store call: it returns at once, the save never gathers
+    again, and the store holds only what was gathered before (byte-exact). Before, one
+    reading() spanned the first gather to the last, and the preemption waited for two frozen
+    puts (Mooncake's 30 s each by default)."""
+    master, node = cluster
+    prefix = "preempt-staged-3"
+    caches = kv_caches(seed=13)
+    original = {n: t[:, 0:6].clone() for n, t in caches.items()}
+    w = make_worker_on(master, caches=caches, prefix=prefix, transfer_timeout=20, **STAGED)
+    hs = hashes(prefix, 6)
+    w.recorder.snapshot()
+    freeze(node.proc)
+    try:
+        w.start_save(StepMetadata(saves=(BlockTransfer("p", tuple(range(6)), hs),)))
+        # In its first put: running, not touching, a while after it started.
+        wait_until(lambda: any(t.state == recv_pool.RUNNING and time.monotonic() - t.started > 0.3
+                               for t in list(w.save_pool._current.values())), 10,
+                   "the save never reached its first put")
+        t0 = time.monotonic()
+        w.wait_preempted(StepMetadata(preempted=("p",)))
+        took = time.monotonic() - t0
+        for t in caches.values():  # the blocks go to another request
+            t[:, 0:6] = -1.0
+        print(f"handle_preemptions took {took:.3f}s")
+        assert took < 1.0, f"the preemption waited {took:.2f}s for a staged put"
+        assert not w.ledger.in_flight("p")
+    finally:
+        thaw(node.proc)
+    wait_until(lambda: w.save_pool.idle, 40, "the frozen put never returned")
+    c = w.recorder.snapshot().data["c"]
+    assert c.get("failures|0|save|abandoned") == 1 and c.get("save_error_keys|0") == 6, c
+    dst = kv_caches(seed=None)
+    reader = make_worker_on(master, caches=dst, prefix=prefix, **STAGED)
+    done, errors = run_step(reader, StepMetadata(loads=(BlockTransfer("r", tuple(range(30, 36)),
+                                                                      hs),)))
+    print("blocks not stored:", sorted(errors))
+    assert done == {"r"} and errors == set(range(32, 36)), errors  # the first buffer-full only
+    for name, want in original.items():
+        assert torch.equal(dst[name][:, 30:32], want[:, 0:2])
+
+
+class Loads(Subscriber):
+    def __init__(self) -> None:
+        self.events: list[LoadEvent] = []
+
+    def on_load(self, ev: LoadEvent) -> None:
+        self.events.append(ev)
+
+
+def test_load_keys_count_the_store_keys_loaded(make_worker_on, cluster):
+    """load_keys counts store objects read whole: 5 of a job's 8 blocks are stored, so 5 keys
+    (not 8); a job that expires loads none."""
+    master, node = cluster
+    hs = stored(make_worker_on, master, "load-keys", n=5)
+    w = make_worker_on(master, threads=1, caches=kv_caches(seed=None), prefix="load-keys",
+                       load_timeout_s=TIMEOUT_S, transfer_timeout=20, **STAGED)
+    w.recorder.snapshot()
+    missing = hashes("load-keys-absent", 3)
+    done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("a", tuple(range(8)),
+                                                                 hs + missing),)))
+    assert errors == {5, 6, 7}
+    c = counters(w)
+    assert c["load_keys|0|0"] == 5, c
+    with frozen(node.proc):
+        done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("b", tuple(range(5)),
+                                                                     hs),)), timeout=10)
+    assert errors == set(range(5))
+    c = counters(w)
+    assert c.get("failures|0|load|timeout") == 1 and c.get("load_keys|0|0", 0) == 0, c
+
+
+def test_a_load_expired_while_running_records_its_real_queue_wait(make_worker_on, cluster):
+    """A job taken at once and stuck in its call until its deadline waited in the queue for
+    no time: its queue wait (the histogram, and what the thread tuner reads as backlog) must
+    not be its whole deadline."""
+    master, node = cluster
+    hs = stored(make_worker_on, master, "expired-wait")
+    w = make_worker_on(master, threads=1, caches=kv_caches(seed=None), prefix="expired-wait",
+                       load_timeout_s=TIMEOUT_S, transfer_timeout=20, **STAGED)
+    seen = Loads()
+    w.add_subscriber(seen)
+    w.recorder.snapshot()
+    with frozen(node.proc):
+        done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("x", tuple(range(8)),
+                                                                     hs),)), timeout=10)
+    assert errors == set(range(8))
+    ev = seen.events[-1]
+    wait, service = ev.t_start - ev.t_enqueue, ev.t_end - ev.t_start
+    print(f"queue wait {wait:.3f}s, service {service:.3f}s, code {ev.code}")
+    assert ev.code == "timeout" and ev.thread == 0
+    assert wait < TIMEOUT_S / 2 and service > TIMEOUT_S / 2, (wait, service)
+    waits = counters_h(w)["load_queue_wait_seconds|0|0"]
+    assert max(waits) < TIMEOUT_S / 2, waits
+
+
+def counters_h(w) -> dict:
+    return w.recorder.snapshot().data["h"]
+
+
+def test_a_failure_after_the_transfer_still_ends_the_load(make_worker_on, cluster, monkeypatch):
+    """Something raises between the job's finish and the ledger's (here the layout counter):
+    the request's load count must still come down, or vLLM waits for it forever."""
+    master, _ = cluster
+    hs = stored(make_worker_on, master, "finish-raises")
+    w = make_worker_on(master, threads=1, caches=kv_caches(seed=None), prefix="finish-raises",
+                       **STAGED)
+    real = w.recorder.count
+
+    def count(family, *labels, n=1):
+        if family == "layout_keys":
+            raise RuntimeError("injected")
+        real(family, *labels, n=n)
+
+    monkeypatch.setattr(w.recorder, "count", count)
+    done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("f", tuple(range(8)), hs),)),
+                            timeout=10)
+    assert done == {"f"} and errors == set()
+    assert not w.ledger.in_flight("f")
+
+
+def test_the_in_step_thread_is_in_the_inflight_and_queue_gauges(make_worker_on, cluster):
+    """An in-step load runs on a thread of its own (thread=load_threads in its counters): its
+    gauges say so too, while it is stuck in a call on a frozen node."""
+    master, node = cluster
+    hs = stored(make_worker_on, master, "instep-gauge")
+    w = make_worker_on(master, threads=2, caches=kv_caches(seed=None), prefix="instep-gauge",
+                       sync_load_ms=200, transfer_timeout=20, **STAGED)  # in-step deadline 2 s
+    w.recorder.current_gauges()
+    seen: list[dict] = []
+    with frozen(node.proc):
+        step = threading.Thread(target=w.start_load, args=(StepMetadata(sync_loads=(
+            BlockTransfer("s", tuple(range(8)), hs),)),), daemon=True)
+        step.start()
+        wait_until(lambda: seen.append(w.recorder.current_gauges()) or
+                   seen[-1].get("load_inflight|0|2") == 1, 10,
+                   f"the in-step thread never showed as busy: {seen[-1:]}")
+        step.join(10)
+    assert not step.is_alive()
+    assert seen[-1]["load_inflight|0|0"] == 0 and seen[-1]["load_inflight|0|1"] == 0
+    w.get_finished()
+    assert w.get_load_errors() == set(range(8))
+
+
+def test_shutdown_lets_queued_saves_finish(make_worker_on, cluster):
+    """Saves still queued when the engine stops are written within the shutdown's bound
+    (not failed at once): nothing is lost on a healthy store."""
+    master, _ = cluster
+    w = make_worker_on(master, prefix="shutdown-drain", **STAGED)
+    hs = hashes("shutdown-drain", 16)
+    w.start_save(StepMetadata(saves=tuple(BlockTransfer(f"s{i}", (2 * i, 2 * i + 1),
+                                                        hs[2 * i:2 * i + 2]) for i in range(8))))
+    t0 = time.monotonic()
+    w.shutdown()
+    took = time.monotonic() - t0
+    c = counters(w)
+    print(f"shutdown took {took:.2f}s: {c}")
+    assert took <= SHUTDOWN_BOUND_S + 1.0
+    assert c.get("save_keys|0", 0) + c.get("save_skipped_keys|0", 0) == 16, c
+    assert c.get("save_error_keys|0", 0) == 0, c
+
+
+def test_shutdown_counts_and_logs_the_saves_it_loses(make_worker_on, cluster, caplog):
+    """On a frozen store node queued saves cannot finish: shutdown still ends within its
+    bound, and every key it did not save is counted (save_error_keys) and logged."""
+    master, node = cluster
+    w = make_worker_on(master, prefix="shutdown-lost", transfer_timeout=20, **STAGED)
+    hs = hashes("shutdown-lost", 8)
+    caplog.set_level(logging.WARNING, logger="vllm.connector.worker")
+    with frozen(node.proc):
+        w.start_save(StepMetadata(saves=tuple(BlockTransfer(f"l{i}", (2 * i, 2 * i + 1),
+                                                            hs[2 * i:2 * i + 2])
+                                              for i in range(4))))
+        wait_until(lambda: w.save_pool.inflight[0], 10, "no save started")
+        t0 = time.monotonic()
+        w.shutdown()
+        took = time.monotonic() - t0
+    c = counters(w)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shutdown:")]
+    print(f"shutdown took {took:.2f}s: {c} {lines}")
+    assert took <= SHUTDOWN_BOUND_S + 1.0
+    assert c.get("failures|0|save|shutdown") == 3 and c.get("save_error_keys|0") == 6, c
+    assert lines and lines[0].startswith("shutdown: 6 store keys"), lines
 
 
 def test_save_after_an_rpc_failure_makes_no_put(make_worker_on, cluster):

@@ -58,6 +58,32 @@ def test_a_job_stuck_past_its_deadline_is_reported_and_its_thread_replaced():
     pool.close(1.0)
 
 
+def test_a_call_stuck_at_its_expiry_is_retired_even_if_the_expiry_ends_it():
+    """The tick that expires a running job finds its call past the bound: the thread is stuck
+    and replaced, though whoever the expiry wakes ends the call at once (an in-step load's
+    step returns, and a test thaws the store node it froze). Here on_expire returns only once
+    the call has returned; decided after the callbacks, the retirement never happened."""
+    rec, release, replaced = Recorder(), threading.Event(), []
+
+    def handler(job, slot, ticket):
+        release.wait()
+        ticket.finish()
+
+    def on_expire(job, reason, slot):
+        rec.expire(job, reason, slot)
+        release.set()
+        wait_until(lambda: pool.idle, 2.0)  # the call returned and its thread let go of it
+
+    pool = RecvPool(1, handler, deadline_s=0.2, on_expire=on_expire,
+                    on_replace=lambda: replaced.append(1))
+    pool.submit("stuck")
+    wait_until(lambda: rec.expired == [("stuck", "timeout")])
+    wait_until(lambda: replaced == [1], 2.0)
+    assert pool.replaced == 1
+    wait_until(lambda: pool.stuck == 0)  # the retired thread exited with its call
+    pool.close(1.0)
+
+
 def test_nothing_expires_a_job_while_it_touches_vllm_memory():
     rec, touching, release = Recorder(), threading.Event(), threading.Event()
 
@@ -75,12 +101,135 @@ def test_nothing_expires_a_job_while_it_touches_vllm_memory():
     # Past the bound the thread counts as stuck and is replaced, and the job (past its
     # deadline since before then) is still not expired, nor dropped.
     wait_until(lambda: pool.replaced == 1)
-    assert pool.drop(lambda job: True, "abandoned") == 0
     assert rec.expired == [] and pool.stalled
     release.set()
     wait_until(lambda: rec.done == ["w"] and not pool._live)  # the watchdog let go of it
     assert rec.expired == []  # finished: never reported
     pool.close(1.0)
+
+
+def test_a_chain_of_touching_calls_stops_at_the_deadline():
+    """A chunked zero-copy get (or a save of several buffer-fulls) enters touching() once per
+    call: no call may start past the job's deadline, so the job ends within its deadline plus
+    the one call under way then, reported once as a timeout."""
+    rec, starts, deadlines = Recorder(), [], []
+
+    def handler(job, slot, ticket):
+        deadlines.append(ticket.deadline)
+        for _ in range(20):
+            with ticket.touching() as ok:
+                if not ok:
+                    break
+                starts.append(time.monotonic())
+                time.sleep(0.1)  # one store call into vLLM's memory
+        if ticket.finish():
+            rec.done.append(job)
+
+    pool = RecvPool(1, handler, deadline_s=0.35, on_expire=rec.expire)
+    pool.submit("chunked")
+    wait_until(lambda: rec.expired or rec.done, 10)
+    wait_until(lambda: pool.inflight[0] == 0)
+    print(f"{len(starts)} calls, the last started {starts[-1] - deadlines[0]:+.3f}s "
+          "from the deadline")
+    assert rec.done == [] and rec.expired == [("chunked", "timeout")]
+    assert all(t < deadlines[0] for t in starts), "a touching call started past the deadline"
+    assert 1 <= len(starts) < 20
+    pool.close(1.0)
+
+
+def test_a_job_dropped_while_touching_is_expired_as_the_call_returns():
+    """A preemption drops a save inside its gather (touching): it is not expired during the
+    call, but as the call returns, so it never starts another one (its next buffer-full)."""
+    rec, in_touch, release, touched = Recorder(), threading.Event(), threading.Event(), []
+
+    def handler(job, slot, ticket):
+        with ticket.touching() as ok:
+            in_touch.set()
+            release.wait()
+        with ticket.touching() as ok:
+            touched.append(ok)
+        ticket.finish()
+
+    pool = RecvPool(1, handler, on_expire=rec.expire)
+    pool.submit("save")
+    assert in_touch.wait(2)
+    assert pool.drop(lambda job: True, "abandoned") == 0  # touching: not now
+    assert rec.expired == []
+    release.set()
+    wait_until(lambda: touched)
+    assert rec.expired == [("save", "abandoned")] and rec.slots["save"] == 0
+    assert touched == [False]
+    pool.close(1.0)
+
+
+def test_the_watchdog_survives_a_failing_replacement_and_a_raising_callback(monkeypatch):
+    """Starting a stuck thread's replacement raises once (no thread can start), and on_replace
+    raises: the watchdog goes on (retrying the replacement next tick), and later jobs still
+    expire at their deadlines (an in-step load's wait depends on it)."""
+    rec, release = Recorder(), threading.Event()
+
+    def handler(job, slot, ticket):
+        if job == "stuck":
+            release.wait()
+        ticket.finish()
+
+    def bad_replace():
+        raise RuntimeError("on_replace failed")
+
+    pool = RecvPool(2, handler, deadline_s=0.2, on_expire=rec.expire, on_replace=bad_replace)
+    real_spawn, fails = pool._spawn, []
+
+    def spawn(slot):
+        if not fails:
+            fails.append(slot)
+            raise RuntimeError("can't start new thread")
+        real_spawn(slot)
+
+    monkeypatch.setattr(pool, "_spawn", spawn)
+    pool.submit("stuck")
+    wait_until(lambda: fails and pool.replaced == 1)  # failed once, then replaced
+    pool.set_active(1)  # the next job goes to slot 0, whose thread is the replacement
+
+    release2 = threading.Event()
+
+    def stuck_again(job, slot, ticket):
+        release2.wait()
+        ticket.finish()
+
+    pool._handler = stuck_again
+    pool.submit("later")
+    wait_until(lambda: ("later", "timeout") in rec.expired)
+    assert pool._watchdog.is_alive()
+    release.set()
+    release2.set()
+    pool.close(1.0)
+
+
+def test_close_with_drain_runs_the_queued_jobs_within_the_drain():
+    rec, ran = Recorder(), []
+
+    def handler(job, slot, ticket):
+        time.sleep(0.02)
+        ran.append(job)
+        ticket.finish()
+
+    pool = RecvPool(1, handler, deadline_s=30, on_expire=rec.expire)
+    for i in range(5):
+        pool.submit(i)
+    pool.close(1.0, drain=10.0)
+    assert ran == list(range(5)) and rec.expired == []
+
+    release = threading.Event()
+    blocked = RecvPool(1, lambda job, slot, ticket: release.wait(), on_expire=rec.expire)
+    for i in range(3):
+        blocked.submit(i)
+    wait_until(lambda: blocked.inflight[0] == 1)
+    t0 = time.monotonic()
+    stuck = blocked.close(0.1, drain=0.3)  # the drain is bounded: then queued jobs fail
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 2.0, took
+    assert sorted(rec.expired) == [(1, "shutdown"), (2, "shutdown")] and len(stuck) == 1
+    release.set()
 
 
 def test_an_expired_job_may_not_start_touching():
@@ -227,6 +376,8 @@ def test_drop_expires_queued_and_running_jobs_but_not_one_touching_memory():
     release.set()
     wait_until(lambda: touched)
     assert touched == [False]  # dropped: it may no longer touch the memory
+    # The one touching memory was marked: expired as its call returned.
+    wait_until(lambda: ("touching", "abandoned") in rec.expired)
     pool.close(1.0)
 
 

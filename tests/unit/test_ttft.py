@@ -179,3 +179,44 @@ def test_policy_stays_asynchronous_when_off_or_unsafe_or_after_a_failure(monkeyp
     now = step_loads.time.monotonic()
     monkeypatch.setattr(step_loads.time, "monotonic", lambda: now + step_loads.BACKOFF_S + 1)
     assert p.take(1)
+
+
+def test_policy_estimate_does_not_stick_on_one_slow_in_step_load():
+    """One slow in-step load (a host hiccup) must not switch in-step loads off for good:
+    no in-step load would ever refresh its estimate, but asynchronous loads still do (they
+    read slower than in-step ones, so they are the pessimistic estimate)."""
+    p = StepLoadPolicy(0.020)
+    p.observe(LoadTimes({"x": RankLoad(0.0, 0.0, 0.5, 0.0, 10, False, in_step=True)}, True))
+    assert not p.take(4)  # 10 blocks took 500 ms in the step
+    for _ in range(3):  # asynchronous loads (of a worker that can load in the step): 1 ms/block
+        p.observe(LoadTimes({"y": RankLoad(0.0, 0.0, 0.010, 0.0, 10, False, in_step=False)},
+                            True))
+    p.new_step()
+    assert p.take(4), "the slow in-step load's estimate stuck"
+
+
+def test_policy_charges_a_fixed_cost_per_load():
+    """Loads of 1 and 10 blocks took 10 and 19 ms: about 9 ms per load plus 1 ms per block.
+    A per-block rate alone would charge 5 blocks far more (or one block far less)."""
+    p = StepLoadPolicy(0.020)
+    p.observe(times(0.010, blocks=1))
+    p.observe(times(0.0019, blocks=10))
+    assert p.take(5)
+    assert abs(p.cost(5) - 0.014) < 0.001, p.cost(5)
+    assert not p.take(1)  # 9 ms + 1 ms does not fit the 6 ms left
+
+
+def test_worker_clock_counts_token_blocks_on_hybrid_models():
+    """A hybrid model loads each group's blocks of the same prefix in a job of its own (here
+    a full-attention group of 8 blocks and a sliding-window group of 2): the load covers 8
+    token blocks, the unit the scheduler charges, not 10."""
+    clock = LoadClock()
+    clock.received(["h"], 10.0)
+    clock.queued({"h": 2}, 10.0)
+    full = load_event("h", 10.0, 10.1, 10.5, keys=8)
+    window = load_event("h", 10.0, 10.1, 10.3, keys=2)
+    window.group = 1
+    clock.on_load(full)
+    clock.on_load(window)
+    clock.reported(["h"], 10.6)
+    assert clock.take().loads["h"].blocks == 8
