@@ -59,5 +59,5 @@ fi
 phase "phase 1: unit + store + deploy (xdist)" "${WORKERS[@]}" tests/unit tests/store \
   tests/deploy --ignore "$SMOKE" ${args[@]+"${args[@]}"}
 # The unit tier once more against vLLM 0.33's sources, the version the image ships (~25 s).
-scripts/unit_033.sh -q
+RECORD_SUITE_TIMES=${RECORD_SUITE_TIMES:+"phase 1b: unit on vLLM 0.33"} scripts/unit_033.sh -q -p tests.suite_times
 phase "phase 2: e2e + helm smoke (serial)" tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}

@@ -106,7 +106,11 @@ ROWS: dict[str, Row] = {
     # Sliding-window layers beside full attention: two KV cache groups, so a failed load is
     # reported per request (failed_recving; vLLM 0.32 stops on block-level errors there) and
     # loads never run in the step (the connector keeps them asynchronous).
-    "hybrid": Row("hybrid", ASYNC, groups=2),
+    # Staged, as on the GQA rows: `auto` picks zero-copy for this layout (one region per
+    # block), whose load writes into the blocks, so vLLM gets them back only once its call
+    # returns: bounded by `transfer_timeout`, which this matrix sets far past every deadline
+    # (FROZEN_CALL_S) to prove that no request waits for a call.
+    "hybrid": Row("hybrid", {**ASYNC, "staging": "on"}, groups=2),
     # MLA on CPU is not batch-invariant (measured: a prompt computed alone and inside a batch
     # gives different greedy tokens), so its engine runs one sequence at a time, like its
     # reference (which serves one request after another).
@@ -365,10 +369,11 @@ def failed_loads(d: dict[str, float], env: Env) -> dict[str, float]:
 
 
 def one_load_each(d: dict[str, float], env: Env, n: int) -> None:
-    """One load job per request and rank: a request whose load failed is recomputed, never
-    loaded again."""
-    jobs = metric_sum(d, P + "load_jobs_total")
-    assert jobs == n * env.row.tp, f"{jobs:.0f} load jobs for {n} requests x {env.row.tp} ranks"
+    """One load job per request, rank and KV cache group (a hybrid model's groups load as
+    plans of their own): a request whose load failed is recomputed, never loaded again."""
+    jobs, r = metric_sum(d, P + "load_jobs_total"), env.row
+    assert jobs == n * r.tp * r.groups, (
+        f"{jobs:.0f} load jobs for {n} requests x {r.tp} ranks x {r.groups} KV cache groups")
 
 
 def frozen_node(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
@@ -401,12 +406,14 @@ def killed_node(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, flo
     so lookups hit and each load fails at the transfer."""
     before = m(env)
     env.store.kill_node()
-    replies = burst(env.server, work, env.row.sequential)
-    d = delta(m(env), before)
+    try:
+        replies = burst(env.server, work, env.row.sequential)
+        d = delta(m(env), before)
+    finally:  # the next cells need a node, whatever this one finds
+        env.store.replace_node()
     hits = looked_up_and_hit(d, len(work))
     ev = failed_loads(d, env)
     one_load_each(d, env, len(work))
-    env.store.replace_node()
     return replies, {"lookup_hits": hits, **ev}, 0.0
 
 
