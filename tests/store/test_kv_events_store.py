@@ -14,13 +14,23 @@ import numpy as np
 import pytest
 import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.outputs import KVConnectorOutput
 
 from connector.config import load_config
 from connector.keys import KeyBuilder, Layout
-from connector.kv_events import EventSettings, StoreEventLog, external_hash, query_keys
+from connector.kv_events import (
+    EventSettings,
+    StoreEventLog,
+    WorkerLanded,
+    external_hash,
+    query_keys,
+)
+from connector.metadata import BlockTransfer, StepMetadata
 from connector.scheduler import MooncakeStoreScheduler
+from connector.worker import MooncakeStoreWorker
 from devkit.local_cluster import HOST, free_port, local_pool
-from tests.worker_kit import hashes
+from tests.worker_kit import LAYERS, NUM_BLOCKS, hashes, kv_caches, run_step
 
 BS = 32
 OBJ = 2**20  # one store object (one block, one shard) of 1 MB
@@ -257,3 +267,71 @@ def test_a_failed_sweep_removes_nothing():
             assert len(log.live()) == 3 and log.take() == []
         finally:
             sched.shutdown()
+
+
+def test_tp2_ranks_make_one_event_per_block_once_both_shards_landed():
+    """Two TP=2 worker ranks (store_tp_size 2: each writes its own shard of every block) save
+    into a real store; their reports, merged by vLLM's own KVOutputAggregator as the engine
+    merges its workers' step outputs, make one BlockStored per logical block, and only once
+    both ranks' shards are in the store. (An e2e TP=2 engine costs a start of its own on the
+    CI's CPUs; the engine's half of this path, TP=1, runs in tests/e2e/test_kv_events.py.)"""
+    with local_pool("64MB", extra_args=LEASE) as (master, _node):
+        layout = Layout("kvev-tp2", "bfloat16", BS, 2, 32, LAYERS, 2, store_tp_size=2)
+        cfg = load_config(master.store_config(global_segment_size=0,
+                                              local_buffer_size="16MB"), environ={})
+        counts = Counts()
+        ranks, landed = [], []
+        for r in (0, 1):
+            w = MooncakeStoreWorker(cfg, KeyBuilder("kvev-tp2", layout), r, NUM_BLOCKS)
+            w.register_kv_caches(kv_caches(heads=1, seed=r))  # this rank's one KV head
+            landed.append(WorkerLanded(r, 1000, counts))
+            w.on_landed = landed[r].add
+            ranks.append(w)
+        try:
+            keys = ranks[0]._keys  # with the signature of the registered caches, as the engine's
+            st = EventSettings("STORAGE", "REMOTE", 0, "", 1000, 1000)
+            log = StoreEventLog(st, 2, BS, lambda hs, g: keys.all_shard_keys(hs, g), 2, counts)
+            req = request("tp2", 6)
+            hs = tuple(req.block_hashes)
+            log.planned(req, range(6), 0)
+            aggregator = KVOutputAggregator(expected_finished_count=2)
+
+            def step(saves: dict[int, range]) -> list:
+                """One engine step: each rank saves its blocks, then vLLM merges the ranks'
+                outputs (None from a rank with nothing to report) for the scheduler."""
+                for r, blocks in saves.items():
+                    run_step(ranks[r], StepMetadata(saves=(BlockTransfer(
+                        f"tp2-{r}", tuple(blocks), hs[blocks.start:blocks.stop], 0),),
+                        free_after_jobs=(f"tp2-{r}",)))
+                outputs = [SimpleNamespace(kv_connector_output=KVConnectorOutput(
+                    kv_cache_events=landed[r].take())) for r in (0, 1)]
+                merged = aggregator.aggregate(outputs).kv_connector_output.kv_cache_events
+                if merged is not None:
+                    log.landed(merged.get_all_events())
+                return log.take()
+
+            def both_shards_stored(blocks: range) -> bool:
+                ks = keys.all_shard_keys(hs[blocks.start:blocks.stop], 0)
+                assert len(ks) == 2 * len(blocks)
+                return all(query_keys(f"{HOST}:{master.metrics_port}", ks).values())
+
+            # Rank 0 writes its shard of all six blocks, rank 1 of the first three only.
+            first = step({0: range(6), 1: range(3)})
+            assert both_shards_stored(range(3)) and not both_shards_stored(range(3, 6))
+            assert [e.block_hashes for e in first] == [[external_hash(h)] for h in hs[:3]]
+            # A step later rank 1 writes the rest: now those are announced, once each.
+            second = step({1: range(3, 6)})
+            assert both_shards_stored(range(6))
+            assert [e.block_hashes for e in second] == [[external_hash(h)] for h in hs[3:]]
+            assert all(isinstance(e, BlockStored) for e in first + second)
+            assert [e.parent_block_hash for e in first + second] == \
+                [None, *(external_hash(h) for h in hs[:5])]
+            # Both ranks save all six again (found stored, skipped): still live, no news.
+            log.planned(req, range(6), 0)
+            assert step({0: range(6), 1: range(6)}) == []
+            print(f"TP=2: {len(first)} + {len(second)} BlockStored for 6 blocks of 2 shards")
+            assert counts[("kv_events", "stored")] == 6
+            assert len(log.live()) == 6 and not any(k[0] == "kv_events_dropped" for k in counts)
+        finally:
+            for w in ranks:
+                w.shutdown()
