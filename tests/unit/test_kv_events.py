@@ -238,3 +238,12 @@ def test_bad_values_name_the_key(key, value):
 def test_tenant_without_sweep_is_fine():
     s = event_settings(cfg(tenant_id="team-a", kv_events_sweep_s=0), ON)
     assert s is not None and s.sweep_s == 0
+
+
+@pytest.mark.parametrize("key", ["kv_event", "kv_events_sweep", "kv_events_endpoint"])
+def test_unknown_events_key_is_one_line_naming_it(key):
+    """A misspelt events key stops the engine, naming it, rather than leaving events off."""
+    with pytest.raises(ConfigError) as e:
+        cfg(**{key: "on"})
+    msg = str(e.value)
+    assert f"'{key}'" in msg and "unknown key" in msg and "\n" not in msg, msg
