@@ -247,6 +247,33 @@ KEYS: tuple[Key, ...] = (
     Key("preferred_segment", "text", "", "put every block on this segment (`host:port` of a "
         "store node), as Mooncake's `ReplicateConfig.preferred_segment`",
         env="MOONCAKE_PREFERRED_SEGMENT", mooncake=True),
+    # KV events for routers (docs/kv-events.md, connector/kv_events.py).
+    Key("kv_events", "choice", "auto", "publish `BlockStored`/`BlockRemoved` for the blocks "
+        "this engine writes to the store, in vLLM's KV event stream: `auto` when "
+        "`--kv-events-config` has `enable_kv_cache_events`, `on` (an error without it), `off`",
+        choices=("auto", "on", "off"),
+        fix="'auto' (with vLLM's --kv-events-config), 'on' or 'off'"),
+    Key("kv_events_medium", "text", "STORAGE", "the `medium` of the store's events (vLLM's "
+        "`MEDIUM_STORAGE`; the in-tree store connector says `cpu`)",
+        pattern=r"[A-Za-z][A-Za-z0-9_]{0,31}", fix="a tier name such as STORAGE or CPU"),
+    Key("kv_events_locality", "choice", "remote", "the `locality` of the store's events: "
+        "`remote` (the shared store, not this engine's KV cache), `local`, or `none` (unset)",
+        choices=("remote", "local", "none"), fix="'remote', 'local' or 'none'"),
+    Key("kv_events_sweep_s", "float", 5.0, "seconds between sweeps that ask the master's "
+        "HTTP admin port which announced blocks are still stored (a `BlockRemoved` for each "
+        "one gone); 0: removals only from lookups that miss an announced block", lo=0,
+        hi=3600),
+    Key("kv_events_master_http", "text", "", "`host:port` of the master's metrics/admin HTTP "
+        "port (`--metrics_port`) for the sweeps", pattern=r"[^\s:/]+:[0-9]{1,5}",
+        fix="the master's host:port of --metrics_port, e.g. 10.0.0.5:9003",
+        shown="the host of `master_server_address`, port 9003 (Mooncake's default)"),
+    Key("kv_events_queue", "int", 10_000, "events held until vLLM takes them (each step), and "
+        "per worker the saved blocks not yet reported; beyond it events are dropped and "
+        "counted (`vllm:mooncake_pool_kv_events_dropped_total`)", lo=16, hi=10_000_000,
+        fix="a count of events, e.g. 10000"),
+    Key("kv_events_max_live", "int", 65_536, "announced blocks tracked for removal; past it "
+        "the oldest is announced removed (a router forgets it rather than trust a block "
+        "nothing watches)", lo=16, hi=10_000_000, fix="a count of blocks, e.g. 65536"),
 )
 BY_NAME = {k.name: k for k in KEYS}
 MOONCAKE_KEYS = tuple(k.name for k in KEYS if k.mooncake)
@@ -447,6 +474,13 @@ class ConnectorConfig:
     tier_metrics: bool | None = _d("tier_metrics")  # None: as enable_offload
     disk_staging_buffer_size: int = _d("disk_staging_buffer_size")
     disk_staging_usable_ratio: float = _d("disk_staging_usable_ratio")
+    kv_events: str = _d("kv_events")
+    kv_events_medium: str = _d("kv_events_medium")
+    kv_events_locality: str = _d("kv_events_locality")
+    kv_events_sweep_s: float = _d("kv_events_sweep_s")
+    kv_events_master_http: str = _d("kv_events_master_http")
+    kv_events_queue: int = _d("kv_events_queue")
+    kv_events_max_live: int = _d("kv_events_max_live")
     source: dict[str, str] = field(default_factory=dict, compare=False)
     # One line per in-tree setting that was accepted as an equivalent, for the startup log.
     notes: tuple[str, ...] = field(default=(), compare=False)

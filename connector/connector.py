@@ -62,6 +62,21 @@ def _interior_order(vllm_config: Any) -> tuple[int, ...] | None:
         return None
 
 
+def _spec_kinds(kv_cache_config: Any) -> tuple[tuple[str | None, int | None], ...]:
+    """Per KV cache group: the spec kind and sliding window vLLM's own events carry."""
+    try:
+        from vllm.v1.kv_cache_interface import (
+            get_kv_cache_spec_kind,
+            get_kv_cache_spec_sliding_window,
+        )
+
+        return tuple((get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                      get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+                     for g in kv_cache_config.kv_cache_groups)
+    except Exception:  # noqa: BLE001 - optional fields: the events stand without them
+        return ()
+
+
 class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """Mooncake-store KV connector with a pool of receive threads and full observability.
 
@@ -94,6 +109,15 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._per_request_failures = per_request(self.groups)
         self.scheduler = None
         self.worker = None
+        self.kv_events: Any = None  # StoreEventLog (scheduler) or WorkerLanded (worker)
+        try:
+            from connector.kv_events import event_settings
+
+            self._event_settings = event_settings(self.config,
+                                                  getattr(vllm_config, "kv_events_config", None))
+        except ConfigError as e:
+            logger.error("PooledMooncakeStoreConnector: invalid configuration: %s", e)
+            raise
         try:
             if role == KVConnectorRole.SCHEDULER:
                 from connector.scheduler import MooncakeStoreScheduler
@@ -115,6 +139,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
                 if note := shutdown_timeout_warning(vllm_config, self.config.enable_save):
                     logger.warning("PooledMooncakeStoreConnector: %s", note)
+                self._scheduler_events(kv_cache_config)
             else:
                 self._start_worker(vllm_config, kv_cache_config)
         except StoreUnavailable as e:
@@ -139,10 +164,32 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             zeroes_blocks=getattr(kv_cache_config, "needs_kv_cache_zeroing", False),
             groups=self.groups, layout_order=_interior_order(vllm_config))
         self._trace(self.worker, tp_rank, "worker")
+        if self._event_settings is not None and self.config.enable_save:
+            from connector.kv_events import WorkerLanded
+
+            self.kv_events = WorkerLanded(tp_rank, self._event_settings.queue,
+                                          self.worker.recorder.count)
+            self.worker.on_landed = self.kv_events.add
         logger.info("PooledMooncakeStoreConnector worker: rank %d/%d, %s receive threads, "
                     "keys %s", tp_rank, tp_size,
                     f"auto 1..{self.config.load_threads}" if self.config.load_threads_auto
                     else self.config.load_threads, self.keys.fingerprint)
+
+    def _scheduler_events(self, kv_cache_config: Any) -> None:
+        """The store's KV events (connector.kv_events), when on and this engine saves."""
+        st, sched = self._event_settings, self.scheduler
+        if st is None or not sched.saves:
+            return
+        from connector.kv_events import StoreEventLog
+
+        self.kv_events = sched.kv_events = StoreEventLog(
+            st, self.keys.layout.tp_size, self._vllm_config.cache_config.block_size,
+            lambda hashes, g: sched._keys.all_shard_keys(hashes, g), self.keys.layout.shards,
+            sched.recorder.count, _spec_kinds(kv_cache_config))
+        self.kv_events.start()
+        logger.info("PooledMooncakeStoreConnector: store KV events on (medium %s, locality %s, "
+                    "%s)", st.medium, st.locality, f"sweep of {st.master_http} every "
+                    f"{st.sweep_s:g}s" if st.sweep_s else "no sweep: removals from lookups")
 
     def _trace(self, side: Any, tp_rank: int, kind: str) -> None:
         """Add a span exporter to a side's events when tracing is on (the worker's exemplars
@@ -195,6 +242,16 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler.update_connector_output(connector_output)
+        if self.kv_events is not None:
+            from connector.kv_events import LandedShards
+
+            landed = getattr(connector_output, "kv_cache_events", None)
+            if isinstance(landed, LandedShards):
+                self.kv_events.landed(landed.get_all_events())
+
+    def take_events(self) -> Any:
+        """The store's KV events for vLLM's publisher (connector.kv_events)."""
+        return self.kv_events.take() if self.scheduler is not None and self.kv_events else ()
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -262,12 +319,18 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         times = w.take_load_times()
         return WorkerReport(layout, times) if layout or times is not None else None
 
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """This step's saved blocks, for the scheduler's store events (connector.kv_events)."""
+        return self.kv_events.take() if self.worker is not None and self.kv_events else None
+
     # ---- both ------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self.worker or self.scheduler
         return side.recorder.snapshot() if side is not None else None
 
     def shutdown(self) -> None:
+        if self.scheduler is not None and self.kv_events is not None:
+            self.kv_events.shutdown()  # the sweep stops before the store client closes
         for side in (self.worker, self.scheduler):
             if side is not None:
                 side.shutdown()

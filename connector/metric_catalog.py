@@ -145,6 +145,13 @@ FAMILIES: tuple[Family, ...] = (
            "How much of the prefill does the disk tier serve?"),
     Family("load_tier_bytes", "counter", ("tp_rank", "tier", "tenant"), "Bytes loaded from the store, by the tier that held them.",
            "What bandwidth does each tier deliver?"),
+    # KV events for routers (kv_events on: connector/kv_events.py, docs/kv-events.md).
+    Family("kv_events", "counter", ("kind",), "Store KV events published into vLLM's KV event stream, by kind: stored (BlockStored: every TP rank's shards of the block are in the store) or removed (BlockRemoved: an announced block left the store).",
+           "Does the router hear of the store's blocks, and of the ones it loses?"),
+    Family("kv_events_dropped", "counter", ("kind",), "Store KV events dropped because a bounded queue was full, by kind: stored, removed, or landed (a worker's report of a saved block, so its BlockStored never came); none is ever waited for.",
+           "Does the router's view of the store have holes?"),
+    Family("kv_events_removals", "counter", ("source",), "BlockRemoved events by what found the block gone: sweep (the periodic query of the master), lookup (a scheduler lookup missed it), live_limit (kv_events_max_live reached: the oldest announced block is withdrawn).",
+           "Which path detects the store's evictions?"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}
@@ -160,6 +167,8 @@ TIERS = ("memory", "disk", "unknown")
 TTFT_PHASES = ("lookup", "admit", "load_start", "load_queue", "load_transfer", "load_report",
                "handoff", "reschedule")
 TTFT_MODES = ("async", "sync")
+KV_EVENT_KINDS = ("stored", "removed", "landed")
+KV_REMOVAL_SOURCES = ("sweep", "lookup", "live_limit")
 # (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
 # pools' watchdog, exception, abandoned, short_read, other).
@@ -179,6 +188,9 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     rate() alerts work from the first scrape. Lookups run on the scheduler (rank 0 labels).
     `tiers`: the per-tier series too (tier_metrics is on)."""
     keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens"]
+    keys += [f"kv_events|{k}" for k in KV_EVENT_KINDS[:2]]
+    keys += [f"kv_events_dropped|{k}" for k in KV_EVENT_KINDS]
+    keys += [f"kv_events_removals|{s}" for s in KV_REMOVAL_SOURCES]
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"save_error_keys|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",

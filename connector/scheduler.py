@@ -121,6 +121,8 @@ class MooncakeStoreScheduler:
         self._signatures: dict[int, str] = {}
         self._layout_wait_since: float | None = None
         self._layout_late = False
+        # Store KV events (connector.kv_events.StoreEventLog), set by the connector when on.
+        self.kv_events: Any = None
 
     @property
     def saves(self) -> bool:
@@ -277,6 +279,9 @@ class MooncakeStoreScheduler:
             code = e.code if isinstance(e, StoreError) else EXCEPTION_CODE
             logger.warning("store lookup failed (%s); treating as a miss", e)
             found = 0
+        if self.kv_events is not None:  # an announced block a probe missed is gone
+            self.kv_events.missing(((g, hashes[i]) for g, kn in enumerate(known)
+                                    for i, there in kn.items() if not there), "lookup", t0)
         hit_tokens = found * self._block_size
         result = "error" if code else "timeout" if late else ("hit" if found else "miss")
         t_end = time.perf_counter()
@@ -367,6 +372,8 @@ class MooncakeStoreScheduler:
                 continue
             if spec.kind != FULL:
                 self._pin(req.request_id, [ids[i] for i in sel])
+            if self.kv_events is not None:
+                self.kv_events.planned(req, sel, g)
             saves.append(BlockTransfer(req.request_id, tuple(ids[i] for i in sel),
                                        tuple(req.block_hashes[i] for i in sel), g))
             self._saved.add(req.request_id)

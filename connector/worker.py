@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -122,6 +122,16 @@ def step_deadline_s(config: ConnectorConfig) -> float:
     return min(config.load_timeout_s, max(1.0, 10 * config.sync_load_ms / 1e3))
 
 
+def _landed(hashes: Sequence[bytes], exists: Sequence[int], new: Sequence[int],
+            results: Sequence[int], per: int) -> tuple[bytes, ...]:
+    """The blocks whose `per` keys (block-major) were all found stored or written (-705:
+    another writer stored it meanwhile); every block when this rank writes no shard."""
+    ok = [e == 1 for e in exists]
+    for i, r in zip(new, results, strict=False):  # results is short when the put never ran
+        ok[i] = r in (0, -705)
+    return tuple(h for b, h in enumerate(hashes) if all(ok[b * per:(b + 1) * per]))
+
+
 class MooncakeStoreWorker:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, tp_rank: int,
                  num_blocks: int, kv_on_host: bool = True, zeroes_blocks: bool = False,
@@ -198,6 +208,9 @@ class MooncakeStoreWorker:
                 config.load_threads, self.pool.set_active,
                 on_error=lambda: self.recorder.count("autotune_errors", tp_rank)))
         self._get_context = None
+        # KV events (connector.kv_events.WorkerLanded.add): (group, hashes) of a save job's
+        # blocks whose shards of this rank are in the store, before its request is released.
+        self.on_landed: Callable[[int, tuple[bytes, ...]], None] | None = None
 
     def add_subscriber(self, sub: Subscriber) -> None:
         self.events.add(sub)
@@ -614,6 +627,7 @@ class MooncakeStoreWorker:
         t_start = time.perf_counter()
         t_ready = t_exists = t_start
         code, op, stored, skipped, nbytes = "", "save", 0, 0, 0
+        landed: tuple[bytes, ...] = ()
         try:
             if job.ready is not None:
                 job.ready.synchronize()
@@ -655,11 +669,18 @@ class MooncakeStoreWorker:
                 if stored:
                     self.recorder.count("layout_keys", self.tp_rank, "save",
                                         *self._layout_labels[t.group], n=stored)
+            landed = _landed(t.block_hashes, exists, new, results if new else [],
+                             len(plan.shards) if plan else 0)
         except StoreError as e:
             code = e.code
         except Exception as e:
             code, op = EXCEPTION_CODE, "save"
             logger.warning("save for %s failed: %r", request_hash(t.req_id), e)
+        if landed and self.on_landed is not None:  # before the request can be reported done
+            try:
+                self.on_landed(t.group, landed)
+            except Exception:  # events must never keep a job from releasing its blocks
+                logger.exception("KV events: recording saved blocks failed")
         self._release(job)
         if not ticket.finish():
             return  # expired or dropped: reported then, and it never read released blocks

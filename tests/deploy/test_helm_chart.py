@@ -676,3 +676,53 @@ def test_runbook_urls_follow_the_published_site(helm, tmp_path):
         assert got["expr"] == want["expr"]
     err = helm.error("--set", "prometheusRule.runbookBaseUrl=https://no-trailing-slash")
     assert "runbookBaseUrl" in err
+
+
+# ---------------------------------------------------------------- KV events (docs/kv-events.md)
+
+KV_EVENTS = {"deploymentDefaults": {"kvEvents": {"enabled": True}},
+             "networkPolicy": {"kvEventsFrom": [{"podSelector": {"matchLabels": {"app": "epp"}}}]},
+             "deployments": [{"name": "pub", "model": "m"},
+                             {"name": "quiet", "model": "m", "kvEvents": {"enabled": False}}]}
+
+
+def test_kv_events_expose_the_endpoint_and_reach_the_connector(helm):
+    docs = helm.render(values=KV_EVENTS)
+    containers = vllm_containers(docs)
+    pub, quiet = containers["pub"], containers["quiet"]
+    events = json.loads(arg_after(pub["args"], "--kv-events-config"))
+    assert events == {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": "tcp://*:5557", "topic": "kv@$(MOONCAKE_LOCAL_HOSTNAME)@m"}
+    assert "MOONCAKE_LOCAL_HOSTNAME" in env_of(pub)  # the topic's variable is defined
+    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in pub["ports"]
+    assert "--kv-events-config" not in quiet["args"]
+    assert all(p["name"] != "kv-events" for p in quiet["ports"])
+    services = by_kind(docs, "Service")
+    ports = {name: {p["name"]: p for p in s["spec"]["ports"]} for name, s in services.items()}
+    assert ports[f"{RELEASE}-mooncake-pooled-connector-pub"]["kv-events"]["port"] == 5557
+    assert "kv-events" not in ports[f"{RELEASE}-mooncake-pooled-connector-quiet"]
+    # The connector takes the rendered extra_config, with the sweep on the master's metrics port.
+    extra = json.loads(arg_after(pub["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
+    cfg = load_config({**extra, "master_server_address": "m:50051",
+                       "metadata_server": "http://m:8080/metadata"}, {})
+    assert (cfg.kv_events, cfg.kv_events_sweep_s) == ("on", 5)
+    assert cfg.kv_events_master_http.endswith(".llm.svc:9003")
+    assert "kv_events" not in json.loads(arg_after(quiet["args"], "--kv-transfer-config")).get(
+        "kv_connector_extra_config", {})
+    # Only the router's pods reach the events port.
+    vllm_policy = next(p for name, p in by_kind(docs, "NetworkPolicy").items()
+                       if name.endswith("-vllm"))
+    rules = [r for r in vllm_policy["spec"]["ingress"]
+             if {"port": 5557, "protocol": "TCP"} in r["ports"]]
+    assert rules == [{"from": KV_EVENTS["networkPolicy"]["kvEventsFrom"],
+                      "ports": [{"port": 5557, "protocol": "TCP"}]}]
+
+
+def test_kv_events_sweep_with_another_tenant_is_refused(helm):
+    values = {"deploymentDefaults": {"kvEvents": {"enabled": True}, "tenantId": "team-a"}}
+    msg = helm.error(values=values)
+    assert "kvEvents.sweepSeconds" in msg and "team-a" in msg
+    values["deploymentDefaults"]["kvEvents"]["sweepSeconds"] = 0
+    c = vllm_containers(helm.render(values=values))["engine"]
+    extra = json.loads(arg_after(c["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra["kv_events_sweep_s"] == 0 and "kv_events_master_http" not in extra

@@ -264,6 +264,9 @@ Call with (dict "out" $d "defaults" .Values.deploymentDefaults "entry" $entry "r
 {{- if and $mt.enabled (not $mt.tenants) }}
 {{- fail "master.multiTenants.enabled: list the tenants and their quotas in master.multiTenants.tenants" }}
 {{- end }}
+{{- if and $out.kvEvents.enabled (gt (float64 $out.kvEvents.sweepSeconds) 0.0) (ne $out.tenantId "default") }}
+{{- fail (printf "%s: kvEvents.sweepSeconds: the master's HTTP key query sees only the default tenant, not tenantId %q; set kvEvents.sweepSeconds to 0 (removals then come from lookups only)" $where $out.tenantId) }}
+{{- end }}
 {{- if and $mt.enabled (not (has $out.tenantId (include "mpc.tenantNames" .root | fromJsonArray))) }}
 {{- fail (printf "%s: tenantId %q is not in master.multiTenants.tenants; its writes would be refused (-1701)" $where $out.tenantId) }}
 {{- end }}
@@ -342,8 +345,34 @@ preflight container (so the preflight checks what the engine will use). Call wit
   "kv_role" "kv_both"
   "kv_load_failure_policy" "recompute"
 }}
-{{- with .d.extraConfig }}
+{{- $extra := deepCopy (.d.extraConfig | default dict) }}
+{{- with .d.kvEvents }}{{ if .enabled }}
+{{- $_ := set $extra "kv_events" "on" }}
+{{- $_ := set $extra "kv_events_sweep_s" .sweepSeconds }}
+{{- if gt (float64 .sweepSeconds) 0.0 }}
+{{- $_ := set $extra "kv_events_master_http" (include "mpc.master.adminAddress" $.root) }}
+{{- end }}
+{{- end }}{{ end }}
+{{- with $extra }}
 {{- $_ := set $cfg "kv_connector_extra_config" . }}
 {{- end }}
 {{- toJson $cfg }}
+{{- end }}
+
+{{/* The master's HTTP admin (metrics) port as host:port: the KV events sweep asks it which
+announced blocks are still stored (docs/kv-events.md). */}}
+{{- define "mpc.master.adminAddress" -}}
+{{- if .Values.master.external.address }}
+{{- printf "%s:%d" (regexReplaceAll ":[0-9]+$" .Values.master.external.address "") (int .Values.master.ports.metrics) }}
+{{- else }}
+{{- printf "%s:%d" (include "mpc.master.host" .) (int .Values.master.ports.metrics) }}
+{{- end }}
+{{- end }}
+
+{{/* vLLM's --kv-events-config for one deployment with kvEvents.enabled: the ZMQ publisher
+bound on kvEvents.port, topic kv@<pod IP>@<model> unless set (Kubernetes expands the variable). */}}
+{{- define "mpc.vllm.kvEventsConfig" -}}
+{{- $k := .d.kvEvents }}
+{{- $topic := $k.topic | default (printf "kv@$(MOONCAKE_LOCAL_HOSTNAME)@%s" .d.model) }}
+{{- toJson (dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $k.port)) "topic" $topic) }}
 {{- end }}

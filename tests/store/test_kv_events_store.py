@@ -1,0 +1,337 @@
+"""Store KV events against a real master and store node: what Mooncake 0.3.13's master itself
+publishes (nothing: hence the sweep), and removals found by the sweep of the master's HTTP
+admin port and by scheduler lookups, after real removals and evictions."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.outputs import KVConnectorOutput
+
+from connector.config import load_config
+from connector.keys import KeyBuilder, Layout
+from connector.kv_events import (
+    EventSettings,
+    StoreEventLog,
+    WorkerLanded,
+    external_hash,
+    query_keys,
+)
+from connector.metadata import BlockTransfer, StepMetadata
+from connector.scheduler import MooncakeStoreScheduler
+from connector.worker import MooncakeStoreWorker
+from devkit.local_cluster import HOST, free_port, local_pool
+from tests.worker_kit import LAYERS, NUM_BLOCKS, hashes, kv_caches, run_step
+
+BS = 32
+OBJ = 2**20  # one store object (one block, one shard) of 1 MB
+BUF = np.ones(OBJ, dtype=np.uint8)  # the source of every put (registered with each client)
+SIGNATURE = "CPU_ATTN;[2,B,2,32,32]o[0,1,2,3,4]bfloat16x2"
+# A short lease: a block read or written a moment ago can be removed or evicted soon after.
+LEASE = ("--default_kv_lease_ttl=200",)
+
+
+class Counts(Counter):
+    def __call__(self, family: str, *labels: object, n: int = 1) -> None:
+        self[(family, *labels)] += n
+
+
+def client_on(master):
+    from mooncake.store import MooncakeDistributedStore
+
+    c = MooncakeDistributedStore()
+    assert c.setup(HOST, master.metadata_server, 0, 64 * 2**20, "tcp", "", master.address) == 0
+    assert c.register_buffer(BUF.ctypes.data, BUF.nbytes) == 0
+    return c
+
+
+def put(client, keys: list[str]) -> list[int]:
+    return [client.put_from(k, BUF.ctypes.data, OBJ) for k in keys]
+
+
+def master_counter(master, name: str) -> float:
+    for line in master.metrics_text().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def request(tag: str, n: int) -> SimpleNamespace:
+    return SimpleNamespace(request_id=tag, block_hashes=list(hashes(tag, n)),
+                           all_token_ids=list(range(n * BS)), lora_request=None,
+                           num_tokens=n * BS + 1, num_prompt_tokens=n * BS + 1)
+
+
+def scheduler_on(master, **extra) -> MooncakeStoreScheduler:
+    cfg = load_config(master.store_config(**extra), environ={})
+    keys = KeyBuilder("kvev", Layout("m", "bfloat16", BS, 2, 32, 2, 1))
+    s = MooncakeStoreScheduler(cfg, keys, BS)
+    s.add_layout({0: SIGNATURE})
+    return s
+
+
+def event_log(sched, master, sweep_s: float = 0.0) -> tuple[StoreEventLog, Counts]:
+    counts = Counts()
+    st = EventSettings("STORAGE", "REMOTE", sweep_s, f"{HOST}:{master.metrics_port}", 1000, 1000)
+    log = StoreEventLog(st, 1, BS, lambda hs, g: sched._keys.all_shard_keys(hs, g), 1, counts)
+    sched.kv_events = log
+    return log, counts
+
+
+def announce(log: StoreEventLog, client, sched, req) -> list[str]:
+    """Write a request's blocks to the store and announce them, as a save would."""
+    keys = sched._keys.all_shard_keys(req.block_hashes, 0)
+    assert put(client, keys) == [0] * len(keys)
+    log.planned(req, range(len(req.block_hashes)), 0)
+    log.landed([(0, 0, h) for h in req.block_hashes])
+    assert len(log.take()) == len(req.block_hashes)
+    return keys
+
+
+def evicted(master, survivors: dict[str, bytes]) -> set:
+    """External hashes of the blocks (key -> hash) the master no longer holds."""
+    present = query_keys(f"{HOST}:{master.metrics_port}", list(survivors))
+    return {external_hash(h) for k, h in survivors.items() if not present[k]}
+
+
+def removed_hashes(events) -> set:
+    return {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+
+
+def test_master_publishes_no_kv_events():
+    """Mooncake 0.3.13's master takes --enable_kv_events but publishes nothing, on eviction
+    or removal: if a later wheel does, this fails and the master's own events can replace the
+    sweep (connector/kv_events.py)."""
+    port = free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        with local_pool("16MB", extra_args=(*LEASE, "--enable_kv_events=true",
+                                            f"--kv_events_bind_endpoint=tcp://{HOST}:{port}",
+                                            )) as (master, _node):
+            sub.connect(f"tcp://{HOST}:{port}")
+            time.sleep(0.5)  # a SUB misses what is sent before it is connected
+            client = client_on(master)
+            # Write past the 16 MB until the master evicts (on its own thread, after puts
+            # found the memory full): bounded by 30 s and 16 times the capacity.
+            results: list[int] = []
+            deadline = time.monotonic() + 30
+            while (evicted_keys := master_counter(master, "master_evicted_key_count")) == 0:
+                assert time.monotonic() < deadline and len(results) < 16 * 16, (
+                    f"the fault did not land: nothing evicted after {len(results)} 1 MB puts "
+                    f"(results {dict(Counter(results))})")
+                results += put(client, [f"kvev-master-{len(results) + i}" for i in range(8)])
+            last = max(i for i, r in enumerate(results) if r == 0)  # the newest: not evicted
+            time.sleep(0.3)  # its put's lease (200 ms) ends, or the remove is refused (-706)
+            assert client.remove(f"kvev-master-{last}") == 0
+            got = []
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                if sub.poll(100):
+                    got.append(sub.recv_multipart())
+            with urllib.request.urlopen(f"http://{HOST}:{master.metrics_port}/kv_events/status",
+                                        timeout=5) as r:
+                status = json.loads(r.read())
+            # Nothing listens on the endpoint the master was told to bind: this process can.
+            probe = ctx.socket(zmq.PUB)
+            try:
+                probe.bind(f"tcp://{HOST}:{port}")
+                bound_by_master = False
+            except zmq.ZMQError:
+                bound_by_master = True
+            finally:
+                probe.close(0)
+            print(f"evicted {evicted_keys:.0f} keys, removed 1; ZMQ messages {len(got)}; "
+                  f"endpoint bound by the master: {bound_by_master}; /kv_events/status {status}")
+            assert got == [] and status["enabled"] is False and status["published_events"] == 0
+            assert not bound_by_master
+    finally:
+        sub.close(0)
+        ctx.term()
+
+
+def test_query_keys_grants_no_lease():
+    """The sweep's query leaves a block evictable; batch_is_exist would lease it (-706 on a
+    remove right after), holding off the store's eviction of every block a sweep looks at."""
+    with local_pool("16MB", extra_args=LEASE) as (master, _node):
+        client = client_on(master)
+        assert put(client, ["kvev-a", "kvev-b"]) == [0, 0]
+        time.sleep(0.4)  # the put's lease ends
+        assert query_keys(f"{HOST}:{master.metrics_port}", ["kvev-a", "kvev-b", "kvev-c"]) == \
+            {"kvev-a": True, "kvev-b": True, "kvev-c": False}
+        assert client.remove("kvev-a") == 0
+        assert client.batch_is_exist(["kvev-b"]) == [1]
+        assert client.remove("kvev-b") == -706  # OBJECT_HAS_LEASE
+
+
+def test_sweep_announces_removed_and_evicted_blocks_only():
+    with local_pool("16MB", extra_args=LEASE) as (master, _node):
+        client = client_on(master)
+        sched = scheduler_on(master)
+        try:
+            log, counts = event_log(sched, master)
+            req = request("sweep", 8)
+            keys = announce(log, client, sched, req)
+            time.sleep(0.4)
+            assert log.sweep() == 0 and log.take() == []  # all there: nothing to say
+            for k in keys[:2]:
+                assert client.remove(k) == 0
+            assert log.sweep() == 2
+            assert removed_hashes(log.take()) == {external_hash(h) for h in req.block_hashes[:2]}
+            # Eviction: write past the store's capacity until the master has evicted some
+            # announced block. Mooncake evicts on its own thread, after the puts that found
+            # the memory full (those fail), so the test waits on the store's own answer,
+            # bounded by 30 s and by 16 times the 16 MB capacity, not on a fixed number of puts.
+            survivors = dict(zip(keys[2:], req.block_hashes[2:], strict=True))
+            written, results, deadline = 0, Counter(), time.monotonic() + 30
+            while not (before := evicted(master, survivors)):
+                assert time.monotonic() < deadline and written < 16 * 16, (
+                    f"no announced block evicted after {written} 1 MB puts into 16 MB "
+                    f"(put results {dict(results)}, master evicted "
+                    f"{master_counter(master, 'master_evicted_key_count'):.0f} keys)")
+                results.update(put(client, [f"kvev-filler-{written + i}" for i in range(8)]))
+                written += 8
+            gone = log.sweep()
+            events = log.take()
+            after = evicted(master, survivors)  # the store may evict more meanwhile
+            print(f"{written} filler puts (results {dict(results)}); master evicted "
+                  f"{master_counter(master, 'master_evicted_key_count'):.0f} keys; announced "
+                  f"blocks missing before the sweep {len(before)}, after {len(after)}; sweep "
+                  f"removed {gone} of 6; events {len(events)}")
+            assert all(isinstance(e, BlockRemoved) for e in events)
+            # Every block gone before the sweep is announced removed, and only blocks gone.
+            assert before <= removed_hashes(events) <= after
+            assert gone == len(events) == len(removed_hashes(events))
+            assert len(log.live()) == 6 - gone
+            assert counts[("kv_events_removals", "sweep")] == 2 + gone
+        finally:
+            sched.shutdown()
+
+
+def test_sweep_thread_and_lookup_find_removals():
+    with local_pool("16MB", extra_args=LEASE) as (master, _node):
+        client = client_on(master)
+        sched = scheduler_on(master)
+        log, counts = event_log(sched, master, sweep_s=0.2)
+        try:
+            # A lookup that misses an announced block announces it removed (no sweep yet).
+            req = request("lookup", 4)
+            keys = announce(log, client, sched, req)
+            time.sleep(0.4)
+            assert client.remove(keys[2]) == 0
+            deadline = time.monotonic() + 10
+            while (hit := sched.get_num_new_matched_tokens(req, 0))[0] is None:
+                assert time.monotonic() < deadline, "lookup never resolved"
+            assert hit == (2 * BS, True)
+            assert removed_hashes(log.take()) == {external_hash(req.block_hashes[2])}
+            assert counts[("kv_events_removals", "lookup")] == 1
+            # The sweep thread finds the next removal by itself.
+            log.start()
+            time.sleep(0.4)  # the lookup's read lease ends (-706 otherwise, seen)
+            assert client.remove(keys[0]) == 0
+            got: list = []
+            deadline = time.monotonic() + 10
+            while not got and time.monotonic() < deadline:
+                got = log.take()
+                time.sleep(0.05)
+            print(f"sweep thread events: {got}")
+            assert removed_hashes(got) == {external_hash(req.block_hashes[0])}
+            assert not any(isinstance(e, BlockStored) for e in got)
+        finally:
+            log.shutdown()
+            sched.shutdown()
+
+
+def test_a_failed_sweep_removes_nothing():
+    """A master admin port that does not answer: the round raises and removes nothing."""
+    with local_pool("16MB", extra_args=LEASE) as (master, _node):
+        client = client_on(master)
+        sched = scheduler_on(master)
+        try:
+            log, _ = event_log(sched, master)
+            announce(log, client, sched, request("down", 3))
+            log.settings = EventSettings("STORAGE", "REMOTE", 1, f"{HOST}:{free_port()}",
+                                         1000, 1000)
+            with pytest.raises(OSError):
+                log.sweep()
+            assert len(log.live()) == 3 and log.take() == []
+        finally:
+            sched.shutdown()
+
+
+def test_tp2_ranks_make_one_event_per_block_once_both_shards_landed():
+    """Two TP=2 worker ranks (store_tp_size 2: each writes its own shard of every block) save
+    into a real store; their reports, merged by vLLM's own KVOutputAggregator as the engine
+    merges its workers' step outputs, make one BlockStored per logical block, and only once
+    both ranks' shards are in the store. (An e2e TP=2 engine costs a start of its own on the
+    CI's CPUs; the engine's half of this path, TP=1, runs in tests/e2e/test_kv_events.py.)"""
+    with local_pool("64MB", extra_args=LEASE) as (master, _node):
+        layout = Layout("kvev-tp2", "bfloat16", BS, 2, 32, LAYERS, 2, store_tp_size=2)
+        cfg = load_config(master.store_config(global_segment_size=0,
+                                              local_buffer_size="16MB"), environ={})
+        counts = Counts()
+        ranks, landed = [], []
+        for r in (0, 1):
+            w = MooncakeStoreWorker(cfg, KeyBuilder("kvev-tp2", layout), r, NUM_BLOCKS)
+            w.register_kv_caches(kv_caches(heads=1, seed=r))  # this rank's one KV head
+            landed.append(WorkerLanded(r, 1000, counts))
+            w.on_landed = landed[r].add
+            ranks.append(w)
+        try:
+            keys = ranks[0]._keys  # with the signature of the registered caches, as the engine's
+            st = EventSettings("STORAGE", "REMOTE", 0, "", 1000, 1000)
+            log = StoreEventLog(st, 2, BS, lambda hs, g: keys.all_shard_keys(hs, g), 2, counts)
+            req = request("tp2", 6)
+            hs = tuple(req.block_hashes)
+            log.planned(req, range(6), 0)
+            aggregator = KVOutputAggregator(expected_finished_count=2)
+
+            def step(saves: dict[int, range]) -> list:
+                """One engine step: each rank saves its blocks, then vLLM merges the ranks'
+                outputs (None from a rank with nothing to report) for the scheduler."""
+                for r, blocks in saves.items():
+                    run_step(ranks[r], StepMetadata(saves=(BlockTransfer(
+                        f"tp2-{r}", tuple(blocks), hs[blocks.start:blocks.stop], 0),),
+                        free_after_jobs=(f"tp2-{r}",)))
+                outputs = [SimpleNamespace(kv_connector_output=KVConnectorOutput(
+                    kv_cache_events=landed[r].take())) for r in (0, 1)]
+                merged = aggregator.aggregate(outputs).kv_connector_output.kv_cache_events
+                if merged is not None:
+                    log.landed(merged.get_all_events())
+                return log.take()
+
+            def both_shards_stored(blocks: range) -> bool:
+                ks = keys.all_shard_keys(hs[blocks.start:blocks.stop], 0)
+                assert len(ks) == 2 * len(blocks)
+                return all(query_keys(f"{HOST}:{master.metrics_port}", ks).values())
+
+            # Rank 0 writes its shard of all six blocks, rank 1 of the first three only.
+            first = step({0: range(6), 1: range(3)})
+            assert both_shards_stored(range(3)) and not both_shards_stored(range(3, 6))
+            assert [e.block_hashes for e in first] == [[external_hash(h)] for h in hs[:3]]
+            # A step later rank 1 writes the rest: now those are announced, once each.
+            second = step({1: range(3, 6)})
+            assert both_shards_stored(range(6))
+            assert [e.block_hashes for e in second] == [[external_hash(h)] for h in hs[3:]]
+            assert all(isinstance(e, BlockStored) for e in first + second)
+            assert [e.parent_block_hash for e in first + second] == \
+                [None, *(external_hash(h) for h in hs[:5])]
+            # Both ranks save all six again (found stored, skipped): still live, no news.
+            log.planned(req, range(6), 0)
+            assert step({0: range(6), 1: range(6)}) == []
+            print(f"TP=2: {len(first)} + {len(second)} BlockStored for 6 blocks of 2 shards")
+            assert counts[("kv_events", "stored")] == 6
+            assert len(log.live()) == 6 and not any(k[0] == "kv_events_dropped" for k in counts)
+        finally:
+            for w in ranks:
+                w.shutdown()
