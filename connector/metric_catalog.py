@@ -120,7 +120,7 @@ FAMILIES: tuple[Family, ...] = (
            "Is a store node or the master frozen under in-flight calls?"),
     Family("threads_replaced", "counter", ("tp_rank", "op"), "Job threads replaced by a fresh thread (and staging buffer) because their call outlived load_timeout_s or save_timeout_s.",
            "How often do store calls hang?"),
-    Family("staging_buffers", "gauge", _R, "Registered staging buffers: one per live job thread (those of the receive threads taking jobs and of the in-step thread from startup, the save thread's from its first save), plus those held by stuck threads until their calls return.",
+    Family("staging_buffers", "gauge", _R, "Registered staging buffers: one per live job thread and KV cache group plan (those of the receive threads taking jobs and of the in-step thread from startup, the save thread's from its first save), plus those held by stuck threads until their calls return.",
            "Is staging memory bounded while calls hang?"),
     Family("autotune_errors", "counter", _R, "Windows the load_threads: auto tuner could not judge (logged; tuning goes on).",
            "Is the auto tuner healthy?"),

@@ -280,7 +280,7 @@ def start_healthy(env: Env) -> None:
     rank), so a frozen call of an earlier cell leaked nothing."""
     env.store.wait_healthy()
     assert env.healthy(), env.server.log_tail(30)
-    most = env.row.tp * (THREADS + 2)
+    most = env.row.tp * (THREADS + 2) * env.row.groups  # a buffer per thread and group plan
 
     seen: list[str] = []
 
