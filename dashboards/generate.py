@@ -314,6 +314,28 @@ LOAD_PIPELINE = Dash(
     ),
 )
 
+def kv_events_row() -> Row:
+    """The store's KV events for routers (kv_events on; docs/kv-events.md): what the engine
+    announced, why blocks were withdrawn, and what the bounded queues dropped. Collapsed: the
+    events are off by default."""
+    return Row("KV events for routers", (
+        P("Store KV events published", "ops", (
+            (rate(series("kv_events"), "kind"), "{{kind}}"),
+        ), "BlockStored (every TP rank's shards of a block are in the store) and BlockRemoved "
+           "(an announced block left the store) events per second, into vLLM's KV event "
+           "stream. Removed far below stored while the store is full: removals are missed "
+           "(is the sweep on?).", min=0),
+        P("BlockRemoved by source", "ops", (
+            (rate(series("kv_events_removals"), "source"), "{{source}}"),
+        ), "What found each block gone: sweep (the periodic master query), lookup (a scheduler "
+           "lookup missed it), live_limit (kv_events_max_live reached).", min=0),
+        P("KV events dropped", "ops", (
+            (rate(series("kv_events_dropped"), "kind"), "{{kind}}"),
+        ), "Events dropped because a bounded queue was full (never waited for): a router's "
+           "view of the store is then incomplete; raise kv_events_queue.", min=0),
+    ), collapsed=True)
+
+
 def tenants_row() -> Row:
     """Each tenant's hit rate, bytes and refused puts (the connector's series carry the engine's
     tenant_id as `tenant`), and the master's per-tenant quota figures (--enable_multi_tenants)."""
@@ -475,6 +497,7 @@ ERRORS_AND_STORE = Dash(
         )),
         master_ha_row(),
         tenants_row(),
+        kv_events_row(),
     ),
 )
 
