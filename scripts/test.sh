@@ -56,8 +56,16 @@ if (( fast )); then
   exit 0
 fi
 
+if [[ -n ${RECORD_SUITE_TIMES:-} && -z ${SUITE_TIMES_PARTS:-} ]]; then
+  export SUITE_TIMES_PARTS=$PWD/.suite-times.partial.json  # docs/ only once all phases passed
+  rm -f "$SUITE_TIMES_PARTS"
+fi
 phase "phase 1: unit + store + deploy (xdist)" "${WORKERS[@]}" tests/unit tests/store \
   tests/deploy --ignore "$SMOKE" ${args[@]+"${args[@]}"}
 # The unit tier once more against vLLM 0.33's sources, the version the image ships (~25 s).
 RECORD_SUITE_TIMES=${RECORD_SUITE_TIMES:+"phase 1b: unit on vLLM 0.33"} scripts/unit_033.sh -q -p tests.suite_times
 phase "phase 2: e2e + helm smoke (serial)" tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
+if [[ -n ${SUITE_TIMES_PARTS:-} ]]; then
+  mv "$SUITE_TIMES_PARTS" docs/suite-times.json
+  echo "docs/suite-times.json: this run's times; python -m bench.claims renders them"
+fi
