@@ -133,6 +133,8 @@ def test_a_chain_of_touching_calls_stops_at_the_deadline():
           "from the deadline")
     assert rec.done == [] and rec.expired == [("chunked", "timeout")]
     assert all(t < deadlines[0] for t in starts), "a touching call started past the deadline"
+    # At least one call ran, and the chain stopped before its 20 calls: the bound that matters
+    # (no call started past the deadline) is the assert above; this one says the chain was cut.
     assert 1 <= len(starts) < 20
     pool.close(1.0)
 
