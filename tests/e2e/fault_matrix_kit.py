@@ -69,6 +69,7 @@ class Store:
 
     segment: str = "64MB"
     offload_dir: str | None = None  # a disk tier (the master runs with --enable_offload)
+    client_ttl_s: int = 10  # the master's --client_ttl (Mooncake's default): see Row
     master: MooncakeMaster | None = None
     node: StoreNode | None = None
     client: Any = None
@@ -76,7 +77,8 @@ class Store:
     _junk_keys: list[str] = field(default_factory=list)
 
     def start(self) -> Store:
-        self.master = MooncakeMaster(offload=self.offload_dir is not None).start()
+        self.master = MooncakeMaster(offload=self.offload_dir is not None,
+                                     extra_args=(f"--client_ttl={self.client_ttl_s}",)).start()
         self.node = StoreNode(self.master, segment_size=self.segment,
                               offload_path=self.offload_dir).start()
         return self
@@ -130,6 +132,11 @@ class Store:
     # -- faults and their repair
     def freeze_node(self) -> None:
         freeze(self.node.proc)
+
+    def node_listed(self) -> bool:
+        """The master still lists the node's segment: a frozen node that outlived the client
+        TTL is a dead one to the master (its objects gone), a different fault."""
+        return self.node.segment in self.master.segments()
 
     def freeze_master(self) -> None:
         freeze(self.master.proc)

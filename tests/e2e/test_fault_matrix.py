@@ -89,6 +89,10 @@ class Row:
     groups: int = 1  # KV cache groups: a lookup makes one existence check per group
     load_timeout_s: float = LOAD_TIMEOUT_S
     block_size: int = BLOCK_SIZE  # the engine's (vLLM's CPU MLA backend forces 16)
+    # Seconds the master waits for a client's heartbeat before it drops the client and the
+    # objects on its segment (Mooncake's default 10). A frozen node must stay a frozen node
+    # for the whole burst, so this is well past the row's load_timeout_s.
+    client_ttl_s: int = 10
 
     def blocks(self, prompts: int) -> int:
         """Full blocks of `prompts` cell prompts, in this engine's block size."""
@@ -115,8 +119,12 @@ ROWS: dict[str, Row] = {
     # gives different greedy tokens), so its engine runs one sequence at a time, like its
     # reference (which serves one request after another).
     "mla": Row("mla", ASYNC, slots=1, sequential=True, block_size=16),
-    # TP=2 on 2 cores: each rank's thread spins on vLLM's step queue, so loads are slow.
-    "tp2": Row("gqa-wide", ASYNC, tp=2, load_timeout_s=10.0),
+    # TP=2 on 2 cores: each rank's thread spins on vLLM's step queue, so loads are slow. A
+    # frozen-node burst lasts the 10 s deadline and more, past Mooncake's default client TTL
+    # (seen: the master dropped the frozen node mid-burst, its loads then failed -704), and
+    # processes here go unscheduled for seconds (seen: a fresh store node dropped for a 10 s
+    # heartbeat gap); so this row's master waits 30 s for a heartbeat.
+    "tp2": Row("gqa-wide", ASYNC, tp=2, load_timeout_s=10.0, client_ttl_s=30),
 }
 FAULTS = ("frozen_node", "killed_node", "removed", "master_killed", "frozen_master",
           "full_store")
@@ -182,7 +190,8 @@ def env(request, models, references, tmp_path_factory):
                                for p in (*cell_prompts(r, f), probe_prompt(r, f),
                                          warm_prompt(r))], tp=row.tp)
     references.release(model)
-    store = Store(offload_dir=str(tmp_path_factory.mktemp("offload")) if row.disk else None)
+    store = Store(offload_dir=str(tmp_path_factory.mktemp("offload")) if row.disk else None,
+                  client_ttl_s=row.client_ttl_s)
     store.start()
     kv = connector_kv_config(engine_extra(
         store.master, cache_prefix=f"matrix-{name}", load_threads=THREADS,
@@ -218,7 +227,8 @@ def recorded():
                   "load_timeout_s": LOAD_TIMEOUT_S, "lookup_timeout_s": LOOKUP_TIMEOUT_S,
                   "loadavg_1m": round(os.getloadavg()[0], 2),
                   "rows": {r: {"tp": ROWS[r].tp, "load_timeout_s": ROWS[r].load_timeout_s,
-                               "model": ROWS[r].model, **ROWS[r].extra} for r in ROWS},
+                               "client_ttl_s": ROWS[r].client_ttl_s, "model": ROWS[r].model,
+                               **ROWS[r].extra} for r in ROWS},
                   "faults": list(FAULTS), "cells": cells})
 
 
@@ -384,8 +394,11 @@ def frozen_node(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, flo
     try:
         replies = burst(env.server, work, env.row.sequential)
         d = delta(m(env), before)  # before the thaw: no frozen call has returned yet
+        listed = env.store.node_listed()
     finally:
         env.store.thaw_all()
+    assert listed, (f"the master dropped the frozen node during the burst (its client TTL, "
+                    f"{env.row.client_ttl_s} s, passed): a dead node, not a frozen one")
     hits = looked_up_and_hit(d, len(work))
     ev = failed_loads(d, env)
     assert set(ev["codes"]) == {"timeout"}, f"loads failed by other codes than the deadline: {ev}"
