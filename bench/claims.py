@@ -670,11 +670,15 @@ def suite_times(r: Runs) -> str:
                     f"min** | {sum(p['tests'] for p in whole)} | "
                     f"{sum(p['engine_starts'] for p in whole)} | "
                     f"{sum(p['engine_start_s'] for p in whole) / 60:.1f} min |")
-    files: dict[str, int] = {}
+    files: dict[str, list[float]] = {}  # file -> [engine starts, seconds in its tests]
     for p in parts.values():
         for f, n in p["starts_per_file"].items():
-            files[f] = files.get(f, 0) + n
-    per_file = "\n".join(f"| `{f}` | {n} |" for f, n in sorted(files.items()))
+            files.setdefault(f, [0, 0.0])[0] += n
+        for f, secs in p.get("seconds_per_file", {}).items():
+            files.setdefault(f, [0, 0.0])[1] += secs
+    slow = sorted(((f, n, s) for f, (n, s) in files.items() if n or s >= 60),
+                  key=lambda row: -row[2])
+    per_file = "\n".join(f"| `{f}` | {n} | {s / 60:.1f} min |" for f, n, s in slow)
     return f"""{_suite_targets(parts)}
 Measured by `RECORD_SUITE_TIMES=1 scripts/test.sh` at commit {t['commit']}, {t['recorded']}, on
 {t['cpus']} CPUs ({t['cpu_model']}); the setup and `ruff` before the phases are not counted.
@@ -683,8 +687,11 @@ Measured by `RECORD_SUITE_TIMES=1 scripts/test.sh` at commit {t['commit']}, {t['
 |---|---|---|---|---|
 {chr(10).join(rows)}
 
-| test file | engine starts |
-|---|---|
+Test files that start an engine or take a minute or more, slowest first (a file's minutes add
+up its tests' setup, run and teardown; in the parallel phase, over the workers side by side):
+
+| test file | engine starts | minutes in its tests |
+|---|---|---|
 {per_file}
 """
 

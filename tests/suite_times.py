@@ -47,6 +47,7 @@ class SuiteTimes:
         self.began = time.monotonic()
         self.current = "(outside a test)"
         self.starts: dict[str, list[float]] = {}  # test file -> seconds of each start
+        self.seconds: dict[str, float] = {}  # test file -> its tests' setup, call, teardown
         self.tests = 0
         vllm_server.START_LISTENERS.append(self.on_start)
 
@@ -58,8 +59,12 @@ class SuiteTimes:
         self.current = item.nodeid.split("::", 1)[0]  # session fixtures count where first used
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Under pytest-xdist the controller sees every worker's reports: its seconds per file
+        add up the workers running side by side."""
         if report.when == "call" or (report.when == "setup" and not report.passed):
             self.tests += 1
+        file = report.nodeid.split("::", 1)[0]
+        self.seconds[file] = self.seconds.get(file, 0.0) + report.duration
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         workeroutput = getattr(self.config, "workeroutput", None)
@@ -75,7 +80,8 @@ class SuiteTimes:
         every = [s for secs in self.starts.values() for s in secs]
         return {"wall_s": round(time.monotonic() - self.began, 1), "tests": self.tests,
                 "engine_starts": len(every), "engine_start_s": round(sum(every), 1),
-                "starts_per_file": {f: len(s) for f, s in sorted(self.starts.items())}}
+                "starts_per_file": {f: len(s) for f, s in sorted(self.starts.items())},
+                "seconds_per_file": {f: round(s, 1) for f, s in sorted(self.seconds.items())}}
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if getattr(self.config, "workeroutput", None) is not None:

@@ -116,12 +116,18 @@ def test_suite_times_table_is_a_whole_recorded_run(tmp_path):
             "phase 2: e2e + helm smoke (serial)"], \
             "docs/suite-times.json is not one whole run: record it with RECORD_SUITE_TIMES=1"
     part = {"wall_s": 600.0, "tests": 300, "engine_starts": 2, "engine_start_s": 60.0,
-            "starts_per_file": {"tests/e2e/test_a.py": 2}}
+            "starts_per_file": {"tests/e2e/test_a.py": 2},
+            "seconds_per_file": {"tests/e2e/test_a.py": 90.0, "tests/unit/test_b.py": 20.0,
+                                 "tests/unit/test_c.py": 60.0}}
     (tmp_path / "suite-times.json").write_text(json.dumps({
         "commit": "abc1234", "recorded": "2026-01-01 00:00 UTC", "cpus": 2, "cpu_model": "x",
         "parts": {"phase 1: a": part, "phase 2: b": {**part, "wall_s": 300.0}}}))
     body = claims.suite_times(claims.Runs(tmp_path))
     assert "| phase 1: a | 10.0 min | 300 | 2 | 1.0 min |" in body
     assert "| **the whole command** | **15.0 min** | 600 | 4 | 2.0 min |" in body
-    assert "| `tests/e2e/test_a.py` | 4 |" in body
+    # starts and minutes add up over the parts; a file without a start shows from a minute
+    assert "| `tests/e2e/test_a.py` | 4 | 3.0 min |" in body
+    assert "| `tests/unit/test_c.py` | 0 | 2.0 min |" in body
+    assert "test_b.py" not in body
+    assert body.index("test_a.py") < body.index("test_c.py")  # slowest first
     assert "No run recorded" in claims.suite_times(claims.Runs(tmp_path / "none"))
