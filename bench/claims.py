@@ -741,9 +741,19 @@ def fault_matrix(r: Runs) -> str:
             for x in rows) + " |")
     out += ["", f"The slowest of {f['cells'][0].get('requests', 4)} requests per cell, every "
                 f"one HTTP 200 with the reference output (load_timeout_s "
-                f"{f['load_timeout_s']:g} s, lookup_timeout_s {f['lookup_timeout_s']:g} s; "
-                f"load average {f['loadavg_1m']:g}); recorded by `{FAULT_MATRIX_CMD}`.", ""]
+                f"{_fm_setting(f, 'load_timeout_s', f['load_timeout_s'])}, lookup_timeout_s "
+                f"{f['lookup_timeout_s']:g} s, the master's client TTL "
+                f"{_fm_setting(f, 'client_ttl_s', 10)}; load average {f['loadavg_1m']:g}); "
+                f"recorded by `{FAULT_MATRIX_CMD}`.", ""]
     return "\n".join(out)
+
+
+def _fm_setting(f: dict[str, Any], key: str, default: float) -> str:
+    """A row setting: its common value in seconds, and the rows that differ ("2 s (`tp2`:
+    10 s)")."""
+    other = {r: v[key] for r, v in f["rows"].items() if v.get(key, default) != default}
+    return f"{default:g} s" + (" (" + ", ".join(f"`{r}`: {v:g} s" for r, v in other.items())
+                               + ")" if other else "")
 
 
 RENDERERS: dict[str, Callable[[Runs], str]] = {
