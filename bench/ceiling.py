@@ -23,7 +23,7 @@ import torch
 from bench.loop import Guard
 from bench.testbed import Source, Testbed, open_client
 from bench.workloads import Geometry
-from connector.kv_regions import compute_regions
+from connector.worker.kv_regions import compute_regions
 
 
 def _sweep_reads(tb: Testbed, call: Any, n: int, batch: int, reps: int,

@@ -31,8 +31,8 @@ from bench.testbed import Source, Testbed, intree_key_prefix, open_client, our_k
 from bench.workloads import Geometry, Request
 from connector.config import load_config
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.stats import parse_key
-from connector.worker import MooncakeStoreWorker
+from connector.observability.stats import parse_key
+from connector.worker.worker import MooncakeStoreWorker
 
 
 class Driver(Protocol):

@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from connector.config import load_config
-from connector.groups import FULL, ONE_FULL, SLIDING, GroupSpec
-from connector.keys import KeyBuilder, Layout
-from connector.kv_regions import rank_heads
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.worker import MooncakeStoreWorker
+from connector.store.groups import FULL, ONE_FULL, SLIDING, GroupSpec
+from connector.store.keys import KeyBuilder, Layout
+from connector.worker.kv_regions import rank_heads
+from connector.worker.worker import MooncakeStoreWorker
 from devkit.local_cluster import MooncakeMaster, StoreNode
 from devkit.vllm_kv import vllm_caches
 

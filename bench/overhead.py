@@ -32,9 +32,14 @@ from bench.loop import Guard, RunResult, run_workload
 from bench.otlp import CountingExporter, counting_provider
 from bench.testbed import Source, Testbed
 from bench.workloads import Geometry, Workload
-from connector.events import LoadEvent
-from connector.stats import StatsRecorder
-from connector.tracing import DEFAULT_SAMPLE_RATIO, OtlpWriter, SdkWriter, SpanExporter
+from connector.observability.events import LoadEvent
+from connector.observability.stats import StatsRecorder
+from connector.observability.tracing import (
+    DEFAULT_SAMPLE_RATIO,
+    OtlpWriter,
+    SdkWriter,
+    SpanExporter,
+)
 from devkit.otlp_collector import RotelCollector
 
 PER_EVENT_SAMPLES = 6_000

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.report import interval_coverage, median_interval
-from connector.metric_catalog import PREFIX, TTFT_MODES, TTFT_PHASES
+from connector.observability.metric_catalog import PREFIX, TTFT_MODES, TTFT_PHASES
 
 LEVEL = 0.95
 FIXED = ("ours-1t", "ours-4t")  # the fixed thread counts ours-auto is judged against

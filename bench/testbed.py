@@ -15,7 +15,7 @@ import torch
 
 from bench.proxy import DelayProxy
 from bench.workloads import Geometry, block_hashes
-from connector.keys import KeyBuilder, Layout, kv_signature
+from connector.store.keys import KeyBuilder, Layout, kv_signature
 
 PREFIX = "bench"
 INTREE_MODEL = "bench-model"

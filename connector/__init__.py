@@ -1,11 +1,13 @@
 """Pooled-receiver Mooncake store KV connector for vLLM.
 
 Load it with `"kv_connector": "PooledMooncakeStoreConnector", "kv_connector_module_path":
-"connector"`. Data flow: scheduler lookup (`scheduler`) -> step metadata (`metadata`) ->
-worker load/save (`worker`, `ledger`, `recv_pool`) -> events (`events`) -> stats (`stats`) ->
-exporters (`prom`, `tracing`).
+"connector"`. Grouped by side, in the order data flows: scheduler lookup (`scheduler/`) ->
+step metadata (`metadata`) -> worker load/save (`worker/`, over the store client and keys of
+`store/`) -> events, stats and exporters (`observability/`). Beside them: the class vLLM loads
+(`connector`), its registration (`plugin`), the key catalogue (`config`), the preflight
+(`doctor`) and the docs generator (`docsync`).
 
-The connector class is imported on first use, so the catalogues (`metric_catalog`,
+The connector class is imported on first use, so the catalogues (`observability.metric_catalog`,
 `config`) import without vLLM: the dashboards, the Helm tests and the docs read them.
 """
 

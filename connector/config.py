@@ -95,7 +95,7 @@ class Key:
         return text
 
 
-_PAY = "a thread is added only if it pays 5 %; see connector/autotune.py"
+_PAY = "a thread is added only if it pays 5 %; see connector/worker/autotune.py"
 KEYS: tuple[Key, ...] = (
     # Mooncake fields: extra_config or the MOONCAKE_CONFIG_PATH file.
     Key("master_server_address", "text", None, "Mooncake master RPC `host:port`, or "
@@ -247,7 +247,7 @@ KEYS: tuple[Key, ...] = (
     Key("preferred_segment", "text", "", "put every block on this segment (`host:port` of a "
         "store node), as Mooncake's `ReplicateConfig.preferred_segment`",
         env="MOONCAKE_PREFERRED_SEGMENT", mooncake=True),
-    # KV events for routers (docs/kv-events.md, connector/kv_events.py).
+    # KV events for routers (docs/kv-events.md, connector/observability/kv_events.py).
     Key("kv_events", "choice", "auto", "publish `BlockStored`/`BlockRemoved` for the blocks "
         "this engine writes to the store, in vLLM's KV event stream: `auto` when "
         "`--kv-events-config` has `enable_kv_cache_events`, `on` (an error without it), `off`",
@@ -447,7 +447,7 @@ class ConnectorConfig:
 
     store: StoreConfig
     load_threads: int = _d("load_threads")  # receive threads (with auto: the maximum)
-    load_threads_auto: bool = False  # adapt the active count online (connector/autotune.py)
+    load_threads_auto: bool = False  # adapt the active count online (connector/worker/autotune.py)
     load_split_blocks: int = _d("load_split_blocks")
     staging: str = _d("staging")
     staging_buffer_size: int = _d("staging_buffer_size")

@@ -4,7 +4,8 @@
                            "kv_connector_module_path": "connector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {...}}'
 
-(vLLM's kv_load_failure_policy follows the connector's on_load_failure: connector.load_failures.)
+(vLLM's kv_load_failure_policy follows the connector's on_load_failure:
+connector.scheduler.load_failures.)
 
 The module is imported by every vLLM process (API server, engine core, workers); the store
 client and torch-heavy code load only in the role that needs them.
@@ -25,13 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import DEFAULT_TENANT, ConfigError, load_config
-from connector.groups import GroupError, groups_from_kv_cache_config
-from connector.keys import KeyBuilder, check_disk_tier, layout_from_vllm
-from connector.load_failures import apply_policy, per_request
 from connector.metadata import StepMetadata, WorkerReport
+from connector.observability.stats import PooledStoreStats
 from connector.plugin import register
-from connector.stats import PooledStoreStats
-from connector.store import StoreUnavailable
+from connector.scheduler.load_failures import apply_policy, per_request
+from connector.store.client import StoreUnavailable
+from connector.store.groups import GroupError, groups_from_kv_cache_config
+from connector.store.keys import KeyBuilder, check_disk_tier, layout_from_vllm
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -54,7 +55,7 @@ def _attn_backend_names(vllm_config: Any) -> str:
 def _interior_order(vllm_config: Any) -> tuple[int, ...] | None:
     """How a block's KV heads, tokens and content lie in memory, from vLLM's resolved KV cache
     layout (part of what a store shard's bytes are)."""
-    from connector.kv_regions import interior_order
+    from connector.worker.kv_regions import interior_order
 
     try:
         return interior_order(vllm_config.cache_config.get_resolved_kv_cache_layout())
@@ -82,7 +83,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     SupportsHMA: vLLM keeps its hybrid KV cache manager on, so a model with sliding-window
     layers gets one block table per KV cache group and this connector stores each group as
-    it needs (`connector.groups`)."""
+    it needs (`connector.store.groups`)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -111,7 +112,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker = None
         self.kv_events: Any = None  # StoreEventLog (scheduler) or WorkerLanded (worker)
         try:
-            from connector.kv_events import event_settings
+            from connector.observability.kv_events import event_settings
 
             self._event_settings = event_settings(self.config,
                                                   getattr(vllm_config, "kv_events_config", None))
@@ -120,7 +121,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise
         try:
             if role == KVConnectorRole.SCHEDULER:
-                from connector.scheduler import MooncakeStoreScheduler
+                from connector.scheduler.scheduler import MooncakeStoreScheduler
 
                 for line in apply_policy(vllm_config, self.config.on_load_failure):
                     logger.info("PooledMooncakeStoreConnector: %s", line)
@@ -135,7 +136,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                         "nothing; set store_tp_size to a multiple of %d to save too",
                         layout.shards, layout.tp_size, layout.tp_size)
                 self._trace(self.scheduler, 0, "scheduler")
-                from connector.worker import shutdown_timeout_warning
+                from connector.worker.worker import shutdown_timeout_warning
 
                 if note := shutdown_timeout_warning(vllm_config, self.config.enable_save):
                     logger.warning("PooledMooncakeStoreConnector: %s", note)
@@ -149,7 +150,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise
 
     def _start_worker(self, vllm_config: Any, kv_cache_config: Any) -> None:
-        from connector.worker import MooncakeStoreWorker
+        from connector.worker.worker import MooncakeStoreWorker
 
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
@@ -165,7 +166,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             groups=self.groups, layout_order=_interior_order(vllm_config))
         self._trace(self.worker, tp_rank, "worker")
         if self._event_settings is not None and self.config.enable_save:
-            from connector.kv_events import WorkerLanded
+            from connector.observability.kv_events import WorkerLanded
 
             self.kv_events = WorkerLanded(tp_rank, self._event_settings.queue,
                                           self.worker.recorder.count)
@@ -176,11 +177,11 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     else self.config.load_threads, self.keys.fingerprint)
 
     def _scheduler_events(self, kv_cache_config: Any) -> None:
-        """The store's KV events (connector.kv_events), when on and this engine saves."""
+        """The store's KV events (observability.kv_events), when on and this engine saves."""
         st, sched = self._event_settings, self.scheduler
         if st is None or not sched.saves:
             return
-        from connector.kv_events import StoreEventLog
+        from connector.observability.kv_events import StoreEventLog
 
         self.kv_events = sched.kv_events = StoreEventLog(
             st, self.keys.layout.tp_size, self._vllm_config.cache_config.block_size,
@@ -194,8 +195,8 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _trace(self, side: Any, tp_rank: int, kind: str) -> None:
         """Add a span exporter to a side's events when tracing is on (the worker's exemplars
         come from its recorder; the scheduler traces the requests that loaded from the store)."""
-        from connector.sampling import TraceSampler
-        from connector.tracing import SpanExporter, tracing_enabled
+        from connector.observability.sampling import TraceSampler
+        from connector.observability.tracing import SpanExporter, tracing_enabled
 
         if tracing_enabled():
             sampler = TraceSampler.configured(self.config.trace_sample_ratio)
@@ -216,7 +217,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        from connector.prom import PooledStorePromMetrics
+        from connector.observability.prom import PooledStorePromMetrics
 
         return PooledStorePromMetrics(vllm_config, metric_types, labelnames,
                                       per_engine_labelvalues)
@@ -243,14 +244,14 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler.update_connector_output(connector_output)
         if self.kv_events is not None:
-            from connector.kv_events import LandedShards
+            from connector.observability.kv_events import LandedShards
 
             landed = getattr(connector_output, "kv_cache_events", None)
             if isinstance(landed, LandedShards):
                 self.kv_events.landed(landed.get_all_events())
 
     def take_events(self) -> Any:
-        """The store's KV events for vLLM's publisher (connector.kv_events)."""
+        """The store's KV events for vLLM's publisher (connector.observability.kv_events)."""
         return self.kv_events.take() if self.scheduler is not None and self.kv_events else ()
 
     def request_finished(self, request: Any, block_ids: list[int]
@@ -300,7 +301,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """What vLLM polls: failures per request where the model has several KV cache groups
-        (connector.load_failures), else as block ids only (a partial hit survives)."""
+        (connector.scheduler.load_failures), else as block ids only (a partial hit survives)."""
         sending, recving, failed = self.worker.get_transfer_results(finished_req_ids)
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving,
@@ -312,7 +313,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         """For the scheduler, after the step: the registered KV layout while it asks for it
-        (StepMetadata.need_layout), and the step's finished loads, timed (connector.ttft)."""
+        (StepMetadata.need_layout), and the step's finished loads, timed (observability.ttft)."""
         meta, w = self._connector_metadata, self.worker
         layout = {w.tp_rank: w.kv_signature} if (isinstance(meta, StepMetadata)
                                                  and meta.need_layout and w.kv_signature) else {}
@@ -320,7 +321,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return WorkerReport(layout, times) if layout or times is not None else None
 
     def get_kv_connector_kv_cache_events(self) -> Any:
-        """This step's saved blocks, for the scheduler's store events (connector.kv_events)."""
+        """This step's saved blocks, for the scheduler's store events (observability.kv_events)."""
         return self.kv_events.take() if self.worker is not None and self.kv_events else None
 
     # ---- both ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from connector.config import (
     ConnectorConfig,
     load_config,
 )
-from connector.store import (
+from connector.store.client import (
     ERROR_NAMES,
     StoreUnavailable,
     check_reachable,

@@ -60,7 +60,7 @@ class StepMetadata(KVConnectorMetadata):
     # handle_preemptions waits for their in-flight saves first.
     preempted: tuple[str, ...] = ()
     # With sync_loads: every request this step schedules; if an in-step load fails, none of
-    # them saves again (connector.save_guard).
+    # them saves again (connector.worker.save_guard).
     in_step_peers: tuple[str, ...] = ()
     # The scheduler does not know the workers' KV layout yet: each worker answers with a
     # WorkerReport in this step's output.
@@ -71,7 +71,7 @@ class StepMetadata(KVConnectorMetadata):
 class WorkerReport(KVConnectorWorkerMetadata):
     """Worker -> scheduler after a step: the KV layout signature each TP rank registered (while
     the scheduler asks for it, so its lookups use the workers' store keys), and the step's
-    finished loads, timed (`connector.ttft.LoadTimes`).
+    finished loads, timed (`connector.observability.ttft.LoadTimes`).
 
     The layout travels as worker metadata rather than handshake metadata: vLLM's MultiConnector
     hands the scheduler only the first non-None handshake of its members, but forwards each

@@ -4,8 +4,8 @@
     python -m dashboards.generate --check    # exit 1 if the committed JSON is out of date
 
 Every panel is one row of the tables below: (title, unit, [(expr, legend), ...]) plus options.
-Metric names come from `connector/metric_catalog.py` through `dashboards.promql`, so a renamed
-family breaks generation (KeyError) instead of leaving a silent "No data" panel.
+Metric names come from `connector/observability/metric_catalog.py` through `dashboards.promql`, so a
+renamed family breaks generation (KeyError) instead of leaving a silent "No data" panel.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """PromQL building blocks shared by the dashboards, the renderer and the tests.
 
-Metric names come from `connector/metric_catalog.py` (which imports without vLLM), vLLM's
-own families from a short allow-list, and the Mooncake
+Metric names come from `connector/observability/metric_catalog.py` (which imports without
+vLLM), vLLM's own families from a short allow-list, and the Mooncake
 master's families are plain `master_*` names scraped from its metrics port.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from connector import metric_catalog as CATALOG  # imports without vLLM
+from connector.observability import metric_catalog as CATALOG  # imports without vLLM
 
 FAMILIES = {f.key: f for f in CATALOG.FAMILIES}
 

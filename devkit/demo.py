@@ -15,7 +15,7 @@ import random
 import time
 from collections import defaultdict
 
-from connector.metric_catalog import PREFIX as P
+from connector.observability.metric_catalog import PREFIX as P
 from devkit.ha_cluster import HaCluster
 from devkit.local_cluster import _wait_segment_mounted
 from devkit.stack import local_stack

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from connector.store import ERROR_NAMES, RPC_CONNECT_TIMEOUT_ENV, TIMEOUT_ENV
+from connector.store.client import ERROR_NAMES, RPC_CONNECT_TIMEOUT_ENV, TIMEOUT_ENV
 from devkit.ha_timeline import record
 from devkit.local_cluster import MooncakeMaster, StoreNode
 from devkit.processes import HOST

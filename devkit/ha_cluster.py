@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from connector.config import CLUSTER_ID_ENV
-from connector.store import RPC_CONNECT_TIMEOUT_ENV, RPC_TIMEOUT_ENV
+from connector.store.client import RPC_CONNECT_TIMEOUT_ENV, RPC_TIMEOUT_ENV
 from devkit.local_cluster import MooncakeMaster, StoreNode, _binary, free_port, service_port
 from devkit.processes import HOST, spawn, stop_process, wait_http
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from connector.config import load_config
-from connector.store import MASTER_DOWN_CODES, StoreHandle, etcd_leader
+from connector.store.client import MASTER_DOWN_CODES, StoreHandle, etcd_leader
 from devkit.ha_cluster import HaCluster, HaMaster
 from devkit.local_cluster import segment_mounted
 

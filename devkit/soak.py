@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
-from connector.metric_catalog import PREFIX as P
+from connector.observability.metric_catalog import PREFIX as P
 from devkit.stack import local_stack
 from devkit.vllm_server import VllmServer, metric_sum
 

@@ -193,7 +193,7 @@ def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int]
     """The store keys of `prompt`'s full blocks as `server` saved them in KV cache group
     `group` (a full-attention one), once all exist (the save thread writes after the response
     returns)."""
-    from connector.keys import _slug
+    from connector.store.keys import _slug
 
     text = "\n".join(server.metrics())
     fingerprint = re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from connector.config import load_config
-from connector.keys import KeyBuilder, Layout
 from connector.metadata import StepMetadata
-from connector.store import TIMEOUT_ENV
-from connector.worker import MooncakeStoreWorker
+from connector.store.client import TIMEOUT_ENV
+from connector.store.keys import KeyBuilder, Layout
+from connector.worker.worker import MooncakeStoreWorker
 from devkit.vllm_kv import vllm_caches  # noqa: F401 - re-exported for the tests
 
 NUM_BLOCKS = 64

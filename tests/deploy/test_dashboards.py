@@ -304,5 +304,5 @@ def test_exemplar_panels_link_to_traces():
              for dest in d["jsonData"]["exemplarTraceIdDestinations"]]
     assert dests
     for dest in dests:
-        assert dest["name"] == cat.EXEMPLAR_LABELS[0]  # "trace_id", as connector/prom.py writes
+        assert dest["name"] == cat.EXEMPLAR_LABELS[0]  # "trace_id", as observability/prom.py writes
         assert by_uid[dest["datasourceUid"]]["type"] in ("tempo", "jaeger", "zipkin")

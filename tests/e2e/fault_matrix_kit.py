@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from connector.metric_catalog import PREFIX as P
+from connector.observability.metric_catalog import PREFIX as P
 from devkit.local_cluster import HOST, MooncakeMaster, StoreNode, free_port, segment_mounted
 from devkit.processes import freeze, thaw
 from devkit.vllm_server import BLOCK_SIZE, Completion, VllmServer, metric_sum, parse_metrics

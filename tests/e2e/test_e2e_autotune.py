@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from connector.metric_catalog import PREFIX
+from connector.observability.metric_catalog import PREFIX
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
 from tests.e2e.store_kit import wait_for_saves

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from connector.metric_catalog import FAMILIES, KNOWN_FAILURES, LOOKUP_RESULTS, PREFIX
-from connector.save_guard import UNSAFE_CODE
+from connector.observability.metric_catalog import FAMILIES, KNOWN_FAILURES, LOOKUP_RESULTS, PREFIX
+from connector.worker.save_guard import UNSAFE_CODE
 from dashboards.local_prometheus import LocalPrometheus
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import POOLED_SERVICE, corrupt_stored_block, engine_extra

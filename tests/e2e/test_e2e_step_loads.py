@@ -1,7 +1,7 @@
-"""In-step loads in real vLLM (connector.step_loads), on a float32 engine so outputs compare
-exactly: a prefix loaded inside the engine step gives the tokens the same engine computed from
-scratch; an in-step load that fails is recomputed by vLLM with the same tokens; the TTFT
-breakdown (connector.ttft) reaches /metrics for both kinds of load, phase by phase."""
+"""In-step loads in real vLLM (connector.scheduler.step_loads), on a float32 engine so outputs
+compare exactly: a prefix loaded inside the engine step gives the tokens the same engine computed
+from scratch; an in-step load that fails is recomputed by vLLM with the same tokens; the TTFT
+breakdown (connector.observability.ttft) reaches /metrics for both kinds of load, phase by phase."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from connector.metric_catalog import TTFT_PHASES
+from connector.observability.metric_catalog import TTFT_PHASES
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import corrupt_stored_block, engine_extra
 from tests.e2e.store_kit import wait_for_saves

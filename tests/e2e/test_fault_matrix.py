@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from connector.metric_catalog import PREFIX as P
-from connector.store import TIMEOUT_ENV
+from connector.observability.metric_catalog import PREFIX as P
+from connector.store.client import TIMEOUT_ENV
 from devkit.tiny_model import make_tiny_llama, make_tiny_mla
 from devkit.vllm_server import BLOCK_SIZE, REPO, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.worker import SHUTDOWN_BOUND_S
+from connector.worker.worker import SHUTDOWN_BOUND_S
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum, parse_metrics
 from tests.conftest import engine_extra
 from tests.e2e.store_kit import PREFIX, saved_blocks, store_hits

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from connector.config import CLUSTER_ID_ENV, ConfigError, load_config
-from connector.store import StoreUnavailable, check_reachable
+from connector.store.client import StoreUnavailable, check_reachable
 from devkit import netns
 from devkit.ha_cluster import Etcd, HaCluster, HaMaster
 from devkit.ha_timeline import measure_failover, record

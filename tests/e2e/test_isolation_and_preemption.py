@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from connector.metric_catalog import PREFIX as P
+from connector.observability.metric_catalog import PREFIX as P
 from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra

@@ -1,12 +1,12 @@
 """A failed store load on a hybrid model (sliding-window layers beside full attention: two KV
 cache groups) costs a recompute, under vLLM's default `kv_load_failure_policy` (`fail`).
 
-vLLM 0.32's scheduler raises RuntimeError (EngineCore dies) when a connector reports block ids
-that failed to load on a model with several KV cache groups; the connector reports such
-failures per request instead (`connector.load_failures`). One stored block is replaced with an
-object of the wrong size, so the lookup hits and the load fails with -600: the engine stays
-healthy, the output is the one computed without the connector (float32), the failure is on
-/metrics, and the next request for the same prompt hits the store again.
+vLLM 0.32's scheduler raises RuntimeError (EngineCore dies) when a connector reports block ids that
+failed to load on a model with several KV cache groups; the connector reports such failures per
+request instead (`connector.scheduler.load_failures`). One stored block is replaced with an object
+of the wrong size, so the lookup hits and the load fails with -600: the engine stays healthy, the
+output is the one computed without the connector (float32), the failure is on /metrics, and the next
+request for the same prompt hits the store again.
 """
 
 from __future__ import annotations

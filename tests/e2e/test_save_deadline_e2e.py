@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from connector.metric_catalog import PREFIX as P
+from connector.observability.metric_catalog import PREFIX as P
 from devkit.processes import freeze, thaw
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra, make_prompts

@@ -10,7 +10,7 @@ What must hold (issue 21):
 - the Tenants row of the dashboard shows all of it from a real Prometheus;
 - an engine of one tenant sending another tenant's exact prompts takes no token from the
   store, on a master in multi-tenant mode and on one without it (which ignores the client's
-  tenant: the tenant is part of the store keys, connector.keys).
+  tenant: the tenant is part of the store keys, connector.store.keys).
 """
 
 from __future__ import annotations

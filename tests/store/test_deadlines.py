@@ -20,11 +20,11 @@ import time
 import pytest
 import torch
 
-from connector import recv_pool
-from connector.events import LoadEvent, Subscriber
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.store import TIMEOUT_ENV
-from connector.worker import SHUTDOWN_BOUND_S
+from connector.observability.events import LoadEvent, Subscriber
+from connector.store.client import TIMEOUT_ENV
+from connector.worker import recv_pool
+from connector.worker.worker import SHUTDOWN_BOUND_S
 from devkit.processes import freeze, frozen, thaw
 from tests.worker_kit import hashes, kv_caches, run_step, wait_until
 
@@ -368,7 +368,7 @@ def test_shutdown_counts_and_logs_the_saves_it_loses(make_worker_on, cluster, ca
     master, node = cluster
     w = make_worker_on(master, prefix="shutdown-lost", transfer_timeout=20, **STAGED)
     hs = hashes("shutdown-lost", 8)
-    caplog.set_level(logging.WARNING, logger="vllm.connector.worker")
+    caplog.set_level(logging.WARNING, logger="vllm.connector.worker.worker")
     with frozen(node.proc):
         w.start_save(StepMetadata(saves=tuple(BlockTransfer(f"l{i}", (2 * i, 2 * i + 1),
                                                             hs[2 * i:2 * i + 2])

@@ -37,7 +37,7 @@ def save(worker, req_id, block_ids, hs):
 
 
 def tiers(client, keys: list[str]) -> set[str]:
-    from connector.worker import replica_tier
+    from connector.worker.worker import replica_tier
 
     descs = client.batch_get_replica_desc(keys)
     return {replica_tier(descs.get(k)) for k in keys}
@@ -97,7 +97,7 @@ def test_evicted_blocks_load_from_disk_split_to_fit(make_worker_on, disk_cluster
     # A rank of a TP=2 engine reading store_tp_size 1 objects asks for its half of each (the
     # ranged gets that work from memory, tests/store/test_layouts.py): Mooncake fails them for
     # objects on disk. Why the connector refuses a disk tier for such layouts
-    # (connector.keys.check_disk_tier).
+    # (connector.store.keys.check_disk_tier).
     assert tiers_of(disk_cluster, keys) == {"disk"}
     half = kv_caches(HEADS // 2, seed=None)
     reader = make_worker_on(disk_cluster, caches=half, prefix="disk", staging=staging,

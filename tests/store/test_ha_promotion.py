@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from connector.config import load_config
-from connector.store import MASTER_DOWN_CODES, StoreHandle
+from connector.store.client import MASTER_DOWN_CODES, StoreHandle
 from devkit.ha_cluster import HaMaster
 from devkit.local_cluster import TRANSFER_ENGINE_PORTS, ephemeral_ports
 from tests.conftest import ha_group, in_process_config

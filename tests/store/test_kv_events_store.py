@@ -18,17 +18,17 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput
 
 from connector.config import load_config
-from connector.keys import KeyBuilder, Layout
-from connector.kv_events import (
+from connector.metadata import BlockTransfer, StepMetadata
+from connector.observability.kv_events import (
     EventSettings,
     StoreEventLog,
     WorkerLanded,
     external_hash,
     query_keys,
 )
-from connector.metadata import BlockTransfer, StepMetadata
-from connector.scheduler import MooncakeStoreScheduler
-from connector.worker import MooncakeStoreWorker
+from connector.scheduler.scheduler import MooncakeStoreScheduler
+from connector.store.keys import KeyBuilder, Layout
+from connector.worker.worker import MooncakeStoreWorker
 from devkit.local_cluster import HOST, free_port, local_pool
 from tests.worker_kit import LAYERS, NUM_BLOCKS, hashes, kv_caches, run_step
 
@@ -110,7 +110,7 @@ def removed_hashes(events) -> set:
 def test_master_publishes_no_kv_events():
     """Mooncake 0.3.13's master takes --enable_kv_events but publishes nothing, on eviction
     or removal: if a later wheel does, this fails and the master's own events can replace the
-    sweep (connector/kv_events.py)."""
+    sweep (connector/observability/kv_events.py)."""
     port = free_port()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)

@@ -25,11 +25,11 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from connector.config import load_config
-from connector.groups import FULL, ONE_FULL, SLIDING, GroupSpec
-from connector.keys import KeyBuilder, Layout
-from connector.kv_regions import interior_order, rank_heads
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.worker import MooncakeStoreWorker
+from connector.store.groups import FULL, ONE_FULL, SLIDING, GroupSpec
+from connector.store.keys import KeyBuilder, Layout
+from connector.worker.kv_regions import interior_order, rank_heads
+from connector.worker.worker import MooncakeStoreWorker
 from tests.worker_kit import hashes, run_step, vllm_caches
 
 NB = 32

@@ -1,4 +1,4 @@
-"""No block computed on a failed in-step load reaches the store (connector.save_guard), with
+"""No block computed on a failed in-step load reaches the store (connector.worker.save_guard), with
 a real master and store node. A step loads request "a"'s prefix in-step while its forward
 computes the rest of "a" and request "b" (which may have taken "a"'s blocks as a local prefix
 hit). The load fails: neither request's save of that step, nor any later one, is made, and

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from connector.config import load_config
-from connector.keys import KeyBuilder, Layout
-from connector.scheduler import MooncakeStoreScheduler
-from connector.store import StoreUnavailable
+from connector.scheduler.scheduler import MooncakeStoreScheduler
+from connector.store.client import StoreUnavailable
+from connector.store.keys import KeyBuilder, Layout
 from devkit.local_cluster import MooncakeMaster
 from devkit.processes import freeze, thaw
 from tests.client_kit import CallRecorder

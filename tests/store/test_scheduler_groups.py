@@ -12,9 +12,9 @@ import pytest
 from vllm.v1.core.block_pool import BlockPool
 
 from connector.config import load_config
-from connector.groups import FULL, ONE_FULL, SLIDING, GroupSpec
-from connector.keys import KeyBuilder, Layout
-from connector.scheduler import FIRST_WINDOW, MooncakeStoreScheduler
+from connector.scheduler.scheduler import FIRST_WINDOW, MooncakeStoreScheduler
+from connector.store.groups import FULL, ONE_FULL, SLIDING, GroupSpec
+from connector.store.keys import KeyBuilder, Layout
 from tests.store.test_scheduler import BS, ask, request, step_output
 from tests.worker_kit import hashes
 

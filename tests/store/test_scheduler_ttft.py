@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from connector.events import RequestEvent, Subscriber
 from connector.metadata import WorkerReport
-from connector.metric_catalog import TTFT_PHASES
-from connector.ttft import LoadTimes, RankLoad
+from connector.observability.events import RequestEvent, Subscriber
+from connector.observability.metric_catalog import TTFT_PHASES
+from connector.observability.ttft import LoadTimes, RankLoad
 from tests.store.test_scheduler import BS, ask, blocks, make, request, step_output, store_blocks
 from tests.worker_kit import hashes
 

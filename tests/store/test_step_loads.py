@@ -1,9 +1,9 @@
-"""The worker's side of the two TTFT levers (connector.step_loads), against a real master and
-store node: an in-step load is in place when `start_load` returns and is never reported as an
-asynchronous completion; its failed blocks are known in the same step; on a frozen store node
-the step waits no longer than the in-step deadline and nothing lands in the cache afterwards;
-asynchronous loads are queued before the forward (`begin_step`) once, and not where vLLM zeroes
-new blocks first. Every load is timed for the scheduler (`take_load_times`)."""
+"""The worker's side of the two TTFT levers (connector.scheduler.step_loads), against a real master
+and store node: an in-step load is in place when `start_load` returns and is never reported as an
+asynchronous completion; its failed blocks are known in the same step; on a frozen store node the
+step waits no longer than the in-step deadline and nothing lands in the cache afterwards;
+asynchronous loads are queued before the forward (`begin_step`) once, and not where vLLM zeroes new
+blocks first. Every load is timed for the scheduler (`take_load_times`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from connector.config import load_config
-from connector.keys import KeyBuilder, Layout
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.worker import MooncakeStoreWorker, step_deadline_s
+from connector.store.keys import KeyBuilder, Layout
+from connector.worker.worker import MooncakeStoreWorker, step_deadline_s
 from tests.store import test_deadlines
 from tests.store.test_deadlines import STAGED, frozen, stored, wait_until
 from tests.worker_kit import LAYERS, NUM_BLOCKS, hashes, kv_caches, run_step

@@ -11,7 +11,7 @@ import pytest
 
 from bench.proxy import GARBAGE
 from connector.config import load_config
-from connector.store import (
+from connector.store.client import (
     ERROR_NAMES,
     PROBE_KEY,
     StoreHandle,

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from connector.config import load_config
-from connector.store import StoreHandle, StoreUnavailable, check_reachable
+from connector.store.client import StoreHandle, StoreUnavailable, check_reachable
 from devkit.local_cluster import MooncakeMaster, free_port
 from tests.unit.test_config import BASE
 

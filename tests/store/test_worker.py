@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-import connector.recv_pool as recv_pool
+import connector.worker.recv_pool as recv_pool
 from connector.metadata import BlockTransfer, StepMetadata
 from devkit.local_cluster import MooncakeMaster, StoreNode, local_pool
 from devkit.processes import freeze, frozen, thaw

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.autotune import MAX_HOLD, MEASURE_WINDOWS, HillClimber, ThreadTuner, Window
 from connector.config import ConfigError, load_config
-from connector.recv_pool import RecvPool
+from connector.worker.autotune import MAX_HOLD, MEASURE_WINDOWS, HillClimber, ThreadTuner, Window
+from connector.worker.recv_pool import RecvPool
 
 BASE = {"master_server_address": "127.0.0.1:50051",
         "metadata_server": "http://127.0.0.1:8080/metadata"}

@@ -21,7 +21,7 @@ MEASURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?(?:x|%|ms|us
                      r"(?![\w/])")
 # Numbers outside passages that are settings or design constants, not measurements.
 SETTINGS = {"0 ms", "5 ms", "10 ms",  # master RTTs the runs were set to
-            "15 %", "16 s"}  # auto-tuner constants (connector/autotune.py)
+            "15 %", "16 s"}  # auto-tuner constants (connector/worker/autotune.py)
 # Where each passage is quoted (the readme-* names are where they were first quoted).
 PASSAGES = {
     "docs/quickstart.md": {"readme-demo"},

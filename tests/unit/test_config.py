@@ -106,7 +106,7 @@ def test_in_tree_replica_num_and_transfer_timeout_apply(tmp_path):
 
 
 def test_transfer_timeout_sets_mooncake_timeouts(monkeypatch):
-    from connector.store import apply_transfer_timeout
+    from connector.store.client import apply_transfer_timeout
 
     for var in ("MC_TCP_STATUS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT", "MC_RPC_TIMEOUT_MS"):
         monkeypatch.delenv(var, raising=False)
@@ -180,7 +180,6 @@ def test_docs_key_table_and_quoted_error_match_the_catalogue():
     import re
     from pathlib import Path
 
-    from connector import metric_catalog
     from connector.config import (
         CONFIG_PAGE,
         HELM_SCHEMA,
@@ -188,12 +187,13 @@ def test_docs_key_table_and_quoted_error_match_the_catalogue():
         sync_docs,
         sync_helm_schema,
     )
+    from connector.observability import metric_catalog
 
     root = Path(__file__).resolve().parents[2]
     page = root / CONFIG_PAGE
     assert sync_docs(str(page), check=True), "run: python -m connector.config"
     assert metric_catalog.sync_docs(str(root / metric_catalog.METRICS_PAGE), check=True), \
-        "run: python -m connector.metric_catalog"
+        "run: python -m connector.observability.metric_catalog"
     assert sync_helm_schema(str(root / HELM_SCHEMA), check=True), \
         "the chart's extraConfig schema drifted from KEYS: run python -m connector.config"
     helm_row = next(line for line in (root / "docs" / "helm.md").read_text()
@@ -241,9 +241,10 @@ def test_catalogues_import_without_vllm_and_docs_are_in_sync():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys, connector.metric_catalog, connector.config, dashboards.promql; "
+    code = ("import sys, connector.observability.metric_catalog, connector.config, "
+            "dashboards.promql; "
             "assert 'vllm' not in sys.modules, 'the catalogues pulled in vLLM'")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
-    for module in ("connector.metric_catalog", "connector.config"):
+    for module in ("connector.observability.metric_catalog", "connector.config"):
         r = subprocess.run([sys.executable, "-m", module, "--check"], cwd=root)
         assert r.returncode == 0, f"README or chart schema out of sync: run python -m {module}"

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from connector.groups import FULL, SLIDING, GroupError, GroupSpec, groups_from_kv_cache_config
+from connector.store.groups import FULL, SLIDING, GroupError, GroupSpec, groups_from_kv_cache_config
 
 BS = 32
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from connector.config import ConfigError, load_config
-from connector.groups import GroupSpec
-from connector.keys import KeyBuilder, Layout, kv_signature, layout_signature
-from connector.kv_regions import plan_group
+from connector.store.groups import GroupSpec
+from connector.store.keys import KeyBuilder, Layout, kv_signature, layout_signature
+from connector.worker.kv_regions import plan_group
 
 BASE = Layout("org/llama-8b", "bfloat16", 32, 8, 128, 32, 2)
 H = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
@@ -135,7 +135,7 @@ def test_same_layout_same_keys_across_processes():
     import subprocess
     import sys
 
-    code = ("from tests.unit.test_keys import BASE, H, _caches; from connector.keys import "
+    code = ("from tests.unit.test_keys import BASE, H, _caches; from connector.store.keys import "
             "KeyBuilder, kv_signature; print(KeyBuilder('p', BASE).with_signature("
             "kv_signature(_caches('NHD'), 64, 'CPU_ATTN')).keys(H, 1)[0])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -159,7 +159,7 @@ def _vllm_config(pp: int = 1, tp: int = 1):
 
 def test_pipeline_parallelism_is_refused_with_the_field_named():
     """Each stage holds other layers, while lookups and the stored layout describe one stage's."""
-    from connector.keys import layout_from_vllm
+    from connector.store.keys import layout_from_vllm
 
     assert layout_from_vllm(_vllm_config(pp=1)).num_layers == 2
     with pytest.raises(ValueError, match=r"^pipeline_parallel_size=2: .*serve without pipeline"):
@@ -167,7 +167,7 @@ def test_pipeline_parallelism_is_refused_with_the_field_named():
 
 
 def test_a_tenant_other_than_the_default_has_keys_of_its_own():
-    from connector.keys import layout_from_vllm
+    from connector.store.keys import layout_from_vllm
 
     plain, team = (KeyBuilder("p", layout_from_vllm(_vllm_config(), tenant=t)) for t in
                    ("", "team-b"))
@@ -178,7 +178,7 @@ def test_a_tenant_other_than_the_default_has_keys_of_its_own():
 
 def test_a_disk_tier_is_refused_where_ranks_read_slices():
     """Mooncake fails ranged gets of objects on disk (tests/store/test_disk_tier_worker.py)."""
-    from connector.keys import check_disk_tier
+    from connector.store.keys import check_disk_tier
 
     slices = dataclasses.replace(BASE, tp_size=2, store_tp_size=1)
     with pytest.raises(ValueError, match=r"^enable_offload: with store_tp_size 1 below the TP "

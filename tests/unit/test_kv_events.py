@@ -1,6 +1,6 @@
-"""Store KV events (connector/kv_events.py): assembly in vLLM's schema, one event per logical
-block over TP ranks, removals only for announced blocks, bounded queues that count their drops,
-and one-line errors for configurations that cannot work."""
+"""Store KV events (connector/observability/kv_events.py): assembly in vLLM's schema, one event per
+logical block over TP ranks, removals only for announced blocks, bounded queues that count their
+drops, and one-line errors for configurations that cannot work."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from connector.config import ConfigError, load_config
-from connector.kv_events import (
+from connector.observability.kv_events import (
     EventSettings,
     LandedShards,
     StoreEventLog,
@@ -23,7 +23,7 @@ from connector.kv_events import (
     event_settings,
     external_hash,
 )
-from connector.worker import _landed
+from connector.worker.worker import _landed
 
 BASE = {"master_server_address": "10.1.2.3:50051",
         "metadata_server": "http://10.1.2.3:8080/metadata"}

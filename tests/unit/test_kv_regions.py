@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from connector.kv_regions import LayoutError, compute_regions, interior_order, plan_group
+from connector.worker.kv_regions import LayoutError, compute_regions, interior_order, plan_group
 from tests.unit.test_staging import NB, layouts
 from tests.worker_kit import vllm_caches
 
@@ -60,7 +60,7 @@ def _object_bytes(plan, unit: int) -> bytes:
 def _rank_caches(full: dict, spec, heads: int, tp: int, rank: int, layout) -> dict:
     """What rank `rank` of a TP=`tp` engine holds: vLLM's caches for its KV heads, with those
     heads' values from the TP=1 engine's caches."""
-    from connector.kv_regions import rank_heads
+    from connector.worker.kv_regions import rank_heads
 
     (h0, h1), _ = rank_heads(heads, tp, rank)
     local, _ = vllm_caches([(list(full), dataclasses.replace(spec, num_kv_heads=h1 - h0))],

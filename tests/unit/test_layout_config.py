@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from connector.config import ConfigError, helm_extra_config, load_config
-from connector.keys import check_store_tp_size
+from connector.store.keys import check_store_tp_size
 
 STORE = {"master_server_address": "127.0.0.1:50051",
          "metadata_server": "http://127.0.0.1:8080/metadata"}

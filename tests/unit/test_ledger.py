@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from connector.ledger import RequestLedger
+from connector.worker.ledger import RequestLedger
 
 
 def test_a_load_is_reported_even_while_an_old_save_runs():

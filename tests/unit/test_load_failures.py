@@ -8,8 +8,8 @@ import copy
 from vllm.config import KVTransferConfig
 from vllm.v1.core.sched.interface import SchedulerInterface
 
-from connector.groups import ONE_FULL, SLIDING, GroupSpec
-from connector.load_failures import apply_policy, in_step_allowed, per_request
+from connector.scheduler.load_failures import apply_policy, in_step_allowed, per_request
+from connector.store.groups import ONE_FULL, SLIDING, GroupSpec
 
 HYBRID = (GroupSpec(), GroupSpec(kind=SLIDING, window=64))
 

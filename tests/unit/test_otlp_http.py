@@ -15,9 +15,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from connector import otlp_http
-from connector.events import LoadEvent
-from connector.tracing import OtlpWriter, SpanExporter
+from connector.observability import otlp_http
+from connector.observability.events import LoadEvent
+from connector.observability.tracing import OtlpWriter, SpanExporter
 from devkit.local_cluster import free_port
 
 
@@ -154,7 +154,7 @@ def test_vllm_provider_is_not_exported_through():
     default, the default protocol."""
     from opentelemetry import trace
 
-    from connector.tracing import SdkWriter, make_writer
+    from connector.observability.tracing import SdkWriter, make_writer
 
     assert isinstance(make_writer({}, {}), OtlpWriter)
     writers = [make_writer({}, {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
-import connector.recv_pool as recv_pool
-from connector.recv_pool import RecvPool
+import connector.worker.recv_pool as recv_pool
+from connector.worker.recv_pool import RecvPool
 
 
 def wait_until(cond, timeout: float = 5.0) -> None:

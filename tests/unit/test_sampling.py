@@ -10,8 +10,13 @@ import random
 import pytest
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from connector import sampling
-from connector.sampling import DEFAULT_SAMPLE_RATIO, SAMPLERS, LookupProbe, TraceSampler
+from connector.observability import sampling
+from connector.observability.sampling import (
+    DEFAULT_SAMPLE_RATIO,
+    SAMPLERS,
+    LookupProbe,
+    TraceSampler,
+)
 
 
 def env(name: str | None = None, arg: str | None = None) -> dict[str, str]:
@@ -57,7 +62,7 @@ def test_config_key_overrides_the_variables():
 @pytest.mark.parametrize(("name", "arg"), [("jaeger_remote", None), ("traceidratio", "lots"),
                                            ("traceidratio", "1.5")])
 def test_bad_values_warn_and_fall_back(name, arg, caplog):
-    with caplog.at_level(logging.WARNING, logger="vllm.connector.sampling"):
+    with caplog.at_level(logging.WARNING, logger="vllm.connector.observability.sampling"):
         s = TraceSampler.configured(None, env(name, arg))
     assert caplog.records, "a bad value must be reported"
     assert s.ratio == (DEFAULT_SAMPLE_RATIO if name == "jaeger_remote" else 1.0)

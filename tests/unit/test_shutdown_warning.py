@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 
-from connector.worker import SHUTDOWN_BOUND_S, shutdown_timeout_warning
+from connector.worker.worker import SHUTDOWN_BOUND_S, shutdown_timeout_warning
 
 
 def test_vllm_still_defaults_to_no_shutdown_timeout():

@@ -9,8 +9,8 @@ import ctypes
 import pytest
 import torch
 
-from connector.kv_regions import compute_regions
-from connector.staging import BlockStager
+from connector.worker.kv_regions import compute_regions
+from connector.worker.staging import BlockStager
 
 NB = 16
 

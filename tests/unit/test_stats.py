@@ -15,10 +15,10 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from connector import PooledMooncakeStoreConnector
-from connector.events import LoadEvent, LookupEvent, SaveEvent
-from connector.metric_catalog import KNOWN_FAILURES
-from connector.prom import PooledStorePromMetrics
-from connector.stats import (
+from connector.observability.events import LoadEvent, LookupEvent, SaveEvent
+from connector.observability.metric_catalog import KNOWN_FAILURES
+from connector.observability.prom import PooledStorePromMetrics
+from connector.observability.stats import (
     EXEMPLAR_CAP,
     SAMPLE_CAP,
     PooledStoreStats,

@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode, set_span_in_context
 
-from connector import tracing
-from connector.events import LoadEvent, SaveEvent
-from connector.tracing import SdkWriter, SpanExporter
+from connector.observability import tracing
+from connector.observability.events import LoadEvent, SaveEvent
+from connector.observability.tracing import SdkWriter, SpanExporter
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""Where a store hit's TTFT goes (connector.ttft): the worker's per-request load times (from
-its step hooks and the load events) and their merge over TP ranks through vLLM's transport;
-the scheduler's timeline, phase by phase, for an asynchronous and an in-step load; the metrics
-and the `mooncake.request` span built from it; and the in-step policy (connector.step_loads)."""
+"""Where a store hit's TTFT goes (connector.observability.ttft): the worker's per-request load times
+(from its step hooks and the load events) and their merge over TP ranks through vLLM's transport;
+the scheduler's timeline, phase by phase, for an asynchronous and an in-step load; the metrics and
+the `mooncake.request` span built from it; and the in-step policy
+(connector.scheduler.step_loads)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,20 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from connector import step_loads, ttft
-from connector.events import LoadEvent, Publisher, RequestEvent, Subscriber, request_hash
-from connector.metric_catalog import TTFT_PHASES
-from connector.stats import StatsRecorder
-from connector.step_loads import StepLoadPolicy
-from connector.tracing import SdkWriter, SpanExporter
-from connector.ttft import LoadClock, LoadTimes, RankLoad, RequestClock
+from connector.observability import ttft
+from connector.observability.events import (
+    LoadEvent,
+    Publisher,
+    RequestEvent,
+    Subscriber,
+    request_hash,
+)
+from connector.observability.metric_catalog import TTFT_PHASES
+from connector.observability.stats import StatsRecorder
+from connector.observability.tracing import SdkWriter, SpanExporter
+from connector.observability.ttft import LoadClock, LoadTimes, RankLoad, RequestClock
+from connector.scheduler import step_loads
+from connector.scheduler.step_loads import StepLoadPolicy
 
 
 def load_event(req_id: str, t_enqueue: float, t_start: float, t_end: float, keys: int = 4,

@@ -18,7 +18,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 from connector import PooledMooncakeStoreConnector
-from connector.groups import SLIDING, GroupSpec, groups_from_kv_cache_config
+from connector.store.groups import SLIDING, GroupSpec, groups_from_kv_cache_config
 from tests.unit.test_groups import BS, _Pool
 
 VLLM_033 = Version(vllm.__version__).release >= (0, 33)

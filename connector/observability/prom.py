@@ -20,14 +20,14 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from connector.config import DEFAULT_TENANT, ConfigError, ConnectorConfig, load_config
-from connector.metric_catalog import (
+from connector.observability.metric_catalog import (
     EXEMPLAR_LABELS,
     FAMILIES,
     LATENCY_BUCKETS,
     Family,
     known_series,
 )
-from connector.stats import parse_key
+from connector.observability.stats import parse_key
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 

@@ -1,8 +1,8 @@
 """OpenTelemetry tracing subscriber: one span per load job (`mooncake.load`, with children
 `queue_wait`, `prepare`, `master_lookup`, `transfer`), per save job (`mooncake.save`, with
 `ready_wait`, `exists`, `put`), and, on the scheduler, per request that loaded from the store
-(`mooncake.request`, from its arrival to its prefill, with one child per phase of
-`connector.ttft`; its parent is the request's incoming trace context, when it has one).
+(`mooncake.request`, from its arrival to its prefill, with one child per phase of `ttft`;
+its parent is the request's incoming trace context, when it has one).
 
 Configured by the standard OTEL_* environment variables: tracing is on when
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT) is set and OTEL_SDK_DISABLED
@@ -12,7 +12,7 @@ off, or the always_off sampler, the subscriber is not even registered.
 Two span writers, same spans, both with the ids the connector's sampler chose (the metrics
 carry them as exemplars):
 - `OtlpWriter` (http/protobuf): encodes the spans straight to OTLP protobuf and posts them over
-  OTLP/HTTP (`connector.otlp_http`), the cheap path;
+  OTLP/HTTP (`connector.observability.otlp_http`), the cheap path;
 - `SdkWriter` (grpc): through an OpenTelemetry SDK TracerProvider of our own, at several times
   the CPU of the OTLP writer (both per load job: docs/benchmark.md, from the benchmark JSON).
 vLLM installs an SDK provider in every process when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set;
@@ -42,9 +42,15 @@ from typing import Any
 
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-from connector import otlp_http
-from connector.events import QUEUED_THREAD, LoadEvent, RequestEvent, SaveEvent, Subscriber
-from connector.sampling import (
+from connector.observability import otlp_http
+from connector.observability.events import (
+    QUEUED_THREAD,
+    LoadEvent,
+    RequestEvent,
+    SaveEvent,
+    Subscriber,
+)
+from connector.observability.sampling import (
     DEFAULT_SAMPLE_RATIO,  # noqa: F401 - re-exported (bench)
     DEFAULT_SAMPLER,
     TraceSampler,

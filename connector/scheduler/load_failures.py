@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from connector.groups import GroupSpec
+from connector.store.groups import GroupSpec
 
 
 def per_request(groups: tuple[GroupSpec, ...]) -> bool:

@@ -86,8 +86,8 @@ def layout_signature(backend: str, groups: Sequence[Any], descriptions: Sequence
 def kv_signature(kv_caches: Mapping[str, Any], num_blocks: int, backend: str = "") -> str:
     """The signature of a single-shard engine with one full-attention group of these caches
     (a TP=1 engine without store_tp_size; the benchmark keys its blocks this way)."""
-    from connector.groups import ONE_FULL
-    from connector.kv_regions import plan_group
+    from connector.store.groups import ONE_FULL
+    from connector.worker.kv_regions import plan_group
 
     return layout_signature(backend, ONE_FULL,
                             (plan_group(kv_caches, num_blocks, 1, 1).description,))

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median
 
-from connector.events import LoadEvent, Subscriber
+from connector.observability.events import LoadEvent, Subscriber
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -186,7 +186,7 @@ class ThreadTuner(Subscriber):
         if ev.thread is None:  # expired in the queue: no thread's service to measure
             return
         if ev.thread >= len(self._slots):
-            return  # the in-step load thread (connector.step_loads) is not the pool's
+            return  # the in-step load thread (connector.scheduler.step_loads) is not the pool's
         s = self._slots[ev.thread]
         with self._lock:
             s[0] += 1

@@ -12,7 +12,7 @@ cannot be cancelled; Mooncake's RPC timeout bounds it). So the executor holds at
 lookups of requests still waiting in vLLM, each costing at most one call past its deadline,
 and `shutdown()` closes the client only after every call still running has returned.
 
-KV cache groups (`connector.groups`): a prefix is a hit only as far as every group can restore
+KV cache groups (`connector.store.groups`): a prefix is a hit only as far as every group can restore
 it (every store shard of each block a group needs); each group loads and saves with its own
 block table, a sliding-window group only the window blocks. vLLM frees a sliding-window block
 as soon as the request moves past it, while a save may still read it, so the blocks a save
@@ -32,20 +32,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.events import LookupEvent, Publisher
-from connector.groups import FULL, ONE_FULL, GroupSpec, window_hit
-from connector.keys import KeyBuilder
-from connector.load_failures import in_step_allowed
 from connector.metadata import BlockTransfer, StepMetadata, WorkerReport
-from connector.stats import StatsRecorder
-from connector.step_loads import StepLoadPolicy
-from connector.store import (
+from connector.observability.events import LookupEvent, Publisher
+from connector.observability.stats import StatsRecorder
+from connector.observability.ttft import LoadTimes, RequestClock
+from connector.scheduler.load_failures import in_step_allowed
+from connector.scheduler.step_loads import StepLoadPolicy
+from connector.store.client import (
     EXCEPTION_CODE,
     StoreError,
     StoreHandle,
     error_code_label,
 )
-from connector.ttft import LoadTimes, RequestClock
+from connector.store.groups import FULL, ONE_FULL, GroupSpec, window_hit
+from connector.store.keys import KeyBuilder
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
@@ -108,7 +108,7 @@ class MooncakeStoreScheduler:
         self.recorder = StatsRecorder()
         self.events = Publisher(self.recorder)
         self.clock = RequestClock(self.events, self._tp_size)  # where a store hit's TTFT goes
-        # No in-step loads where a failed one could not be reported (connector.load_failures).
+        # No in-step loads where a failed one could not be reported (load_failures).
         self._step_loads = StepLoadPolicy(
             config.sync_load_ms / 1e3 if in_step_allowed(groups) else 0.0)
         # vLLM asks about every waiting request in one step: the wait for lookups is a budget
@@ -121,7 +121,7 @@ class MooncakeStoreScheduler:
         self._signatures: dict[int, str] = {}
         self._layout_wait_since: float | None = None
         self._layout_late = False
-        # Store KV events (connector.kv_events.StoreEventLog), set by the connector when on.
+        # Store KV events (observability.kv_events.StoreEventLog), set by the connector when on.
         self.kv_events: Any = None
 
     @property

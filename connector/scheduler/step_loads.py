@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 
-from connector.ttft import LoadTimes
+from connector.observability.ttft import LoadTimes
 
 BACKOFF_S = 10.0
 _EWMA = 0.3  # weight of the newest load in a fit

@@ -145,7 +145,7 @@ FAMILIES: tuple[Family, ...] = (
            "How much of the prefill does the disk tier serve?"),
     Family("load_tier_bytes", "counter", ("tp_rank", "tier", "tenant"), "Bytes loaded from the store, by the tier that held them.",
            "What bandwidth does each tier deliver?"),
-    # KV events for routers (kv_events on: connector/kv_events.py, docs/kv-events.md).
+    # KV events for routers (kv_events on: connector/observability/kv_events.py, docs/kv-events.md).
     Family("kv_events", "counter", ("kind",), "Store KV events published into vLLM's KV event stream, by kind: stored (BlockStored: every TP rank's shards of the block are in the store) or removed (BlockRemoved: an announced block left the store).",
            "Does the router hear of the store's blocks, and of the ones it loses?"),
     Family("kv_events_dropped", "counter", ("kind",), "Store KV events dropped because a bounded queue was full, by kind: stored, removed, or landed (a worker's report of a saved block, so its BlockStored never came); none is ever waited for.",
@@ -169,7 +169,7 @@ TTFT_PHASES = ("lookup", "admit", "load_start", "load_queue", "load_transfer", "
 TTFT_MODES = ("async", "sync")
 KV_EVENT_KINDS = ("stored", "removed", "landed")
 KV_REMOVAL_SOURCES = ("sweep", "lookup", "live_limit")
-# (op, code) pairs a deployment can meet (codes from connector.store: Mooncake's ErrorCode
+# (op, code) pairs a deployment can meet (codes from connector.store.client: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
 # pools' watchdog, exception, abandoned, short_read, other).
 _RPC = ("-900", "-901")

@@ -27,7 +27,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from connector.events import (
+from connector.observability.events import (
     QUEUED_THREAD,
     LoadEvent,
     LookupEvent,
@@ -35,7 +35,13 @@ from connector.events import (
     SaveEvent,
     Subscriber,
 )
-from connector.metric_catalog import BY_KEY, EXEMPLAR_FAMILIES, TTFT_MODES, TTFT_PHASES, Family
+from connector.observability.metric_catalog import (
+    BY_KEY,
+    EXEMPLAR_FAMILIES,
+    TTFT_MODES,
+    TTFT_PHASES,
+    Family,
+)
 
 SAMPLE_CAP = 1024  # histogram samples per key per step; counters stay exact past it
 EXEMPLAR_CAP = 4  # exemplars per key per step (Prometheus keeps the latest per bucket)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from connector.kv_regions import ObjectPlan
+from connector.worker.kv_regions import ObjectPlan
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 

@@ -91,7 +91,7 @@ class LookupEvent:
 class RequestEvent:
     """One request that loaded its prefix from the store: where the store's share of its time
     to first token went, from its arrival at the scheduler until its prefill could run
-    (`connector.ttft`). Published by the scheduler once every phase is known."""
+    (`connector.observability.ttft`). Published by the scheduler once every phase is known."""
 
     request_hash: str
     mode: str  # "async": waited in WAITING_FOR_REMOTE_KVS; "sync": loaded inside the step

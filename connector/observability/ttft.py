@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector.events import LoadEvent, Publisher, RequestEvent, Subscriber, request_hash
+from connector.observability.events import (
+    LoadEvent,
+    Publisher,
+    RequestEvent,
+    Subscriber,
+    request_hash,
+)
 
 MAX_OPEN = 4096  # timelines kept per side; an entry whose request vanished is dropped past it
 FINISHED_STEPS = 3  # steps a finished request's in-step load may wait for the workers' account
@@ -45,7 +51,7 @@ class RankLoad:
     report: float  # done -> reported to vLLM
     blocks: int
     failed: bool
-    in_step: bool = False  # loaded inside the engine step (connector.step_loads)
+    in_step: bool = False  # loaded inside the engine step (connector.scheduler.step_loads)
     ranks: int = 1
 
     @property

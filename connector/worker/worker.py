@@ -1,12 +1,12 @@
 """Worker side: moves KV blocks between this rank's cache and the Mooncake store.
 
-- Loads: `start_load` queues one job per request (or per part, with load_split_blocks); a
-  `RecvPool` of N threads (N = VLLM_MOONCAKE_LOAD_RECV_THREADS) runs them. A job that fails in
-  any way, or outlives `load_timeout_s`, reports its block ids as load errors *before* the
-  request is reported finished, so vLLM recomputes them; no request is ever left unfinished.
-  On host-memory caches `begin_step` queues them before the step's forward. Loads the
-  scheduler put inside the step (`connector.step_loads`) run on a pool of one thread of their
-  own, with a short deadline, and `start_load` returns once they are done or expired.
+- Loads: `start_load` queues one job per request (or per part, with load_split_blocks); a `RecvPool`
+  of N threads (N = VLLM_MOONCAKE_LOAD_RECV_THREADS) runs them. A job that fails in any way, or
+  outlives `load_timeout_s`, reports its block ids as load errors *before* the request is reported
+  finished, so vLLM recomputes them; no request is ever left unfinished. On host-memory caches
+  `begin_step` queues them before the step's forward. Loads the scheduler put inside the step
+  (`connector.scheduler.step_loads`) run on a pool of one thread of their own, with a short
+  deadline, and `start_load` returns once they are done or expired.
 - Saves: `start_save` queues one job per request with new full blocks; a pool of one save
   thread writes them (skipping keys the store already holds), each within `save_timeout_s`.
 - What a job moves (`kv_regions.plan_group`, per KV cache group): this rank's store objects of
@@ -38,18 +38,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.events import LoadEvent, Publisher, SaveEvent, Subscriber, request_hash
-from connector.groups import ONE_FULL, GroupSpec
-from connector.keys import KeyBuilder, layout_signature
-from connector.kv_regions import GroupIO, ObjectPlan, plan_group
-from connector.ledger import RequestLedger
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.recv_pool import TIMEOUT, RecvPool, Ticket
-from connector.sampling import LookupProbe
-from connector.save_guard import UNSAFE_CODE, SaveGuard
-from connector.staging import BlockStager, ranged_get
-from connector.stats import StatsRecorder, WorkerGauges, stat_key
-from connector.store import (
+from connector.observability.events import LoadEvent, Publisher, SaveEvent, Subscriber, request_hash
+from connector.observability.sampling import LookupProbe
+from connector.observability.stats import StatsRecorder, WorkerGauges, stat_key
+from connector.observability.ttft import LoadClock, LoadTimes
+from connector.store.client import (
     ABANDONED_CODE,
     EXCEPTION_CODE,
     MASTER_DOWN_CODES,
@@ -58,7 +52,13 @@ from connector.store import (
     StoreHandle,
     error_code_label,
 )
-from connector.ttft import LoadClock, LoadTimes
+from connector.store.groups import ONE_FULL, GroupSpec
+from connector.store.keys import KeyBuilder, layout_signature
+from connector.worker.kv_regions import GroupIO, ObjectPlan, plan_group
+from connector.worker.ledger import RequestLedger
+from connector.worker.recv_pool import TIMEOUT, RecvPool, Ticket
+from connector.worker.save_guard import UNSAFE_CODE, SaveGuard
+from connector.worker.staging import BlockStager, ranged_get
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 PREEMPTION_LOG_S = 5.0  # a preemption still waiting for a call that reads its blocks says so
@@ -172,7 +172,7 @@ class MooncakeStoreWorker:
         self._release_lock = threading.Lock()
         self._saves_failing = False  # the last save ended in a store error
         self._shutdown_lost = 0  # store keys of saves failed at shutdown (logged there)
-        # In-step loads (connector.step_loads) run on a thread of their own, labelled
+        # In-step loads (connector.scheduler.step_loads) run on a thread of their own, labelled
         # thread=load_threads, whose deadline bounds how long a step waits for them.
         self._step_thread = config.load_threads
         self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads + 1)
@@ -199,17 +199,17 @@ class MooncakeStoreWorker:
         self.save_guard = SaveGuard()  # no save of a request a failed in-step load may taint
         self._early_start = config.load_early_start and not zeroes_blocks
         self._early_meta: StepMetadata | None = None  # whose async loads begin_step queued
-        self.load_clock = LoadClock()  # where a store hit's TTFT goes (connector.ttft)
+        self.load_clock = LoadClock()  # where a store hit's TTFT goes (ttft)
         self.events = Publisher(self.recorder, self.load_clock)
         if config.load_threads_auto:
-            from connector.autotune import ThreadTuner
+            from connector.worker.autotune import ThreadTuner
 
             self.events.add(ThreadTuner(
                 config.load_threads, self.pool.set_active,
                 on_error=lambda: self.recorder.count("autotune_errors", tp_rank)))
         self._get_context = None
-        # KV events (connector.kv_events.WorkerLanded.add): (group, hashes) of a save job's
-        # blocks whose shards of this rank are in the store, before its request is released.
+        # KV events (observability.kv_events.WorkerLanded.add): (group, hashes) of a save
+        # job's blocks whose shards of this rank are in the store, before its request is released.
         self.on_landed: Callable[[int, tuple[bytes, ...]], None] | None = None
 
     def add_subscriber(self, sub: Subscriber) -> None:
