@@ -13,6 +13,10 @@ latent object per block, written by rank 0, read by every rank). With the GQA mo
 `store_tp_size: 1`: a TP=1 engine stores one object per block and each TP=2 rank reads its
 half of it.
 
+The TP=2 engine also publishes the store's KV events (`--kv-events-config`, ZMQ) to a
+subscriber decoding with vLLM's `KVEventBatch`: each block it fills is announced once, though
+every rank wrote its own part of it (docs/kv-events.md), in every layout.
+
 TP=2 on this 2-core host: `VLLM_CPU_OMP_THREADS_BIND=0|1` (one core per rank). Each rank's
 main thread busy-waits on vLLM's shared-memory step queue (it spins for a second after each
 step, and the engine steps continuously while a request waits for its KV), pinned to the core
@@ -31,14 +35,22 @@ was seen giving exactly the writer's, as a bit-exact copy of the writer's prefix
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from devkit.local_cluster import local_pool
 from devkit.tiny_model import make_tiny_llama, make_tiny_mla
-from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from devkit.vllm_server import (
+    BLOCK_SIZE,
+    VllmServer,
+    connector_kv_config,
+    metric_sum,
+    uses_mla,
+)
 from tests.conftest import engine_extra
+from tests.e2e.kv_events_kit import Subscriber, Topic
 from tests.engines import TP_START_TIMEOUT_S, tp_args, tp_env
 
 LOAD_TIMEOUT_S = 60.0  # and the lease, below: see the module's docstring
@@ -63,11 +75,21 @@ def distinct_prompts(seed: int, n: int = 3, tokens: int = 368) -> list[list[int]
     return [[rng.randrange(3, 1000) for _ in range(tokens)] for _ in range(n)]
 
 
-def engine(model: str, tp: int, master, prefix: str, store_tp: int = 2) -> VllmServer:
-    """An engine with the connector (float32, VllmServer's default), `tp` ranks."""
-    kv = connector_kv_config(engine_extra(master, cache_prefix=prefix, store_tp_size=store_tp,
-                                          load_timeout_s=LOAD_TIMEOUT_S))
-    return VllmServer(model, kv, env=tp_env(tp), extra_args=tp_args(tp)
+def engine(model: str, tp: int, master, prefix: str, store_tp: int = 2,
+           events: tuple[Subscriber, str] | None = None) -> VllmServer:
+    """An engine with the connector (float32, VllmServer's default), `tp` ranks; with `events`
+    (a subscriber and a topic) it publishes the store's KV events there (no removal sweep:
+    this store never evicts)."""
+    extra = engine_extra(master, cache_prefix=prefix, store_tp_size=store_tp,
+                         load_timeout_s=LOAD_TIMEOUT_S)
+    args = tp_args(tp)
+    if events:
+        sub, topic = events
+        extra.update(kv_events="on", kv_events_sweep_s=0)
+        args += ("--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint,
+            "topic": topic}))
+    return VllmServer(model, connector_kv_config(extra), env=tp_env(tp), extra_args=args
                       ).start(timeout=TP_START_TIMEOUT_S)
 
 
@@ -96,9 +118,62 @@ def check_from_store(delta: dict, prompts: list[list[int]], tp: int) -> None:
                           tp_rank=str(rank), tp_size=str(tp)) > 0
 
 
+FULL_KINDS = ("full_attention", "mla_attention")  # groups that keep every block of a prompt
+# vLLM's CPU MLA backend runs 16-token blocks whatever --block-size says ("CPU MLA backend
+# requires block_size=16, overriding user-specified block_size=32"): the connector's blocks
+# are vLLM's, so its events are of 16 tokens there.
+CPU_MLA_BLOCK_SIZE = 16
+
+
+def full_blocks(prompts: list[list[int]], bs: int) -> list[tuple[int, ...]]:
+    return [tuple(p[i * bs:(i + 1) * bs]) for p in prompts for i in range(len(p) // bs)]
+
+
+def check_one_event_per_block(sub: Subscriber, topic: str, server: VllmServer,
+                              prompts: list[list[int]]) -> None:
+    """Every block the TP=2 engine filled is announced once per KV cache group that stores
+    it, whichever rank wrote which part: every full block in each full-attention group (the
+    sliding group of the hybrid model stores only its window), nothing twice, nothing else."""
+    bs = CPU_MLA_BLOCK_SIZE if uses_mla(server.model) else BLOCK_SIZE
+    want = full_blocks(prompts, bs)
+
+    def full_groups(t: Topic) -> dict[int, list[tuple[int, ...]]]:
+        groups: dict[int, list[tuple[int, ...]]] = {}
+        for e in t.stored:
+            if e.kv_cache_spec_kind in FULL_KINDS:
+                groups.setdefault(e.group_idx, []).append(tuple(e.token_ids))
+        return groups
+
+    t = sub.wait(topic, lambda t: bool(full_groups(t)) and all(
+        len(v) >= len(want) for v in full_groups(t).values()),
+        f"a BlockStored per filled block ({len(want)})", server)
+    server.reset_prefix_cache()  # every save stored: no event can still be on its way
+    server.complete([5, 6, 7], max_tokens=2)  # a step, in which vLLM takes the last events
+    t = sub.view(topic)
+    kinds = {(e.group_idx, e.kv_cache_spec_kind) for e in t.stored}
+    print(f"{topic}: {len(t.stored)} BlockStored for {len(want)} blocks, groups {kinds}")
+    assert t.violations == [] and t.removed == [], (t.violations[:5], t.removed[:5])
+    for blocks in full_groups(t).values():
+        assert sorted(blocks) == sorted(want)  # each block once, though both ranks wrote
+    announced = [(e.group_idx, e.block_hashes[0]) for e in t.stored]
+    assert len(set(announced)) == len(announced)
+    assert {tuple(e.token_ids) for e in t.stored} <= set(want)
+    assert all((e.medium, e.locality, e.block_size) == ("STORAGE", "REMOTE", bs)
+               for e in t.stored)
+    assert metric_sum(server.metrics(), "vllm:mooncake_pool_kv_events_total",
+                      kind="stored") == len(t.stored)
+
+
+@pytest.fixture(scope="module")
+def sub():
+    s = Subscriber()
+    yield s
+    s.stop()
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, patient_master,
-                                             references):
+                                             references, sub):
     master = patient_master
     model = str(MODELS[kind](tmp_path_factory.mktemp(f"cross-tp-{kind}")))
     first, second = distinct_prompts(1), distinct_prompts(2)
@@ -110,11 +185,12 @@ def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, patient_mas
             for tp in (1, 2)}
     references.release(model)
 
-    tp2 = engine(model, 2, master, prefix)  # fills (each rank stores its objects), later reads
+    # Fills (each rank stores its objects) and announces each block once; later reads.
+    tp2 = engine(model, 2, master, prefix, events=(sub, kind))
     try:
         filled, _ = serve(tp2, first)
         assert filled == want[2][0]
-        tp2.reset_prefix_cache()  # refused until every save is stored; then nothing is local
+        check_one_event_per_block(sub, kind, tp2, first)  # and then nothing is local
 
         tp1 = engine(model, 1, master, prefix)  # loads the TP=2 engine's blocks, then fills
         try:

@@ -8,29 +8,25 @@ subscriber keeps stays within the capacity plus one round's blocks); a fresh eng
 a block announced removed, finds one announced live, and announces each block it writes once.
 Both store two objects per block (store_tp_size 2), so one block is announced once for two
 writes; two TP ranks' reports merged into one event per block are tested against a real store
-with two worker ranks (tests/store/test_kv_events_store.py), which costs no TP=2 engine start.
-The subscriber binds before the engines start (vLLM's publisher connects to a `tcp://host:port`
-endpoint); each engine publishes under its own topic. Every wait is on events or counters,
-bounded, and says what it saw.
+with two worker ranks (tests/store/test_kv_events_store.py) and on the TP=2 engines of
+tests/e2e/test_cross_tp.py, so this file starts no TP=2 engine of its own. The subscriber
+(tests/e2e/kv_events_kit.py) binds before the engines start (vLLM's publisher connects to a
+`tcp://host:port` endpoint); each engine publishes under its own topic. Every wait is on
+events or counters, bounded, and says what it saw.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
-import msgspec
 import pytest
-import zmq
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-from devkit.local_cluster import HOST, free_port, local_pool
+from devkit.local_cluster import HOST, local_pool
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
+from tests.e2e.kv_events_kit import Subscriber, Topic, poked
 from tests.e2e.store_kit import wait_for_saves
 
 SEGMENT = "16MB"  # 4MB aborts mooncake_client (exit -6, seen)
@@ -43,99 +39,6 @@ PROMPT_BLOCKS = 8
 ROUND_PROMPTS = 8
 ROUNDS = 24  # 24 x 8 x 8 = 1536 blocks, three times the 512 the 16 MB segment holds
 P = "vllm:mooncake_pool_"
-
-
-@dataclass
-class Topic:
-    """What one engine announced, as a router following it would keep it."""
-
-    stored: list[BlockStored] = field(default_factory=list)
-    removed: list[BlockRemoved] = field(default_factory=list)
-    live: set = field(default_factory=set)
-    ever: set = field(default_factory=set)
-    max_live: int = 0
-    violations: list[str] = field(default_factory=list)
-    other_media: Counter = field(default_factory=Counter)
-
-
-class Subscriber:
-    """Binds a SUB socket and decodes every batch with vLLM's schema on its own thread."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.endpoint = f"tcp://{HOST}:{self.port}"
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.bind(self.endpoint)
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._lock = threading.Lock()
-        self.topics: dict[str, Topic] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            topic, _seq, payload = self._sock.recv_multipart()
-            batch = self._decoder.decode(payload)
-            with self._lock:
-                self._apply(self.topics.setdefault(topic.decode(), Topic()), batch)
-
-    @staticmethod
-    def _apply(t: Topic, batch: KVEventBatch) -> None:
-        for ev in batch.events:
-            if getattr(ev, "medium", None) != "STORAGE":
-                t.other_media[getattr(ev, "medium", type(ev).__name__)] += 1
-                continue
-            if isinstance(ev, BlockStored):
-                t.stored.append(ev)
-                for h in ev.block_hashes:
-                    if h in t.live:
-                        t.violations.append(f"BlockStored for {h} while it is live")
-                    t.live.add(h)
-                    t.ever.add(h)
-            elif isinstance(ev, BlockRemoved):
-                t.removed.append(ev)
-                for h in ev.block_hashes:
-                    if h not in t.live:
-                        t.violations.append(f"BlockRemoved for {h}, not announced live")
-                    t.live.discard(h)
-            t.max_live = max(t.max_live, len(t.live))
-
-    def view(self, topic: str) -> Topic:
-        with self._lock:
-            t = self.topics.get(topic, Topic())
-            return Topic(list(t.stored), list(t.removed), set(t.live), set(t.ever), t.max_live,
-                         list(t.violations), Counter(t.other_media))
-
-    def wait(self, topic: str, until, what: str, poke: VllmServer, timeout: float = 90.0
-             ) -> Topic:
-        """Until `until(view)`, poking the engine: vLLM takes a connector's events only in an
-        engine step, so what the sweep finds while the engine is idle waits for its next
-        request (docs/kv-events.md)."""
-        deadline = time.monotonic() + timeout
-        while not until(t := self.view(topic)):
-            assert time.monotonic() < deadline, (
-                f"{what}: not seen in {timeout:.0f}s; stored {len(t.stored)}, removed "
-                f"{len(t.removed)}, live {len(t.live)}, other media {dict(t.other_media)}")
-            poked(poke)
-            time.sleep(SWEEP_S / 2)
-        return t
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close(0)
-        self._ctx.term()
-
-
-def poked(server: VllmServer) -> None:
-    """A request too short to fill a block (nothing saved, nothing looked up): a few engine
-    steps, in which vLLM takes the queued events and the stats of the previous ones."""
-    server.complete([5, 6, 7], max_tokens=2)
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
@@ -265,7 +168,7 @@ def test_fresh_engine_misses_removed_blocks_and_announces_each_block_once(
         tiny_model, tp1, sub, pool):
     t = sub.view("tp1")
     token_of = {e.block_hashes[0]: tuple(e.token_ids) for e in t.stored}
-    live_tokens = {token_of[h] for h in t.live}
+    live_tokens = {token_of[h] for _, h in t.live}
     removed = {token_of[h] for e in t.removed for h in e.block_hashes} - live_tokens
     gone = next((p for p in FIRST if blocks_of([p])[0] in removed), None)
     assert gone is not None, f"no first block of the first prompts announced removed ({t})"

@@ -1,0 +1,111 @@
+"""A router's view of a vLLM KV event stream, for the e2e tests: a ZMQ subscriber that binds
+(vLLM's publisher connects to a `tcp://host:port` endpoint) and decodes every batch with vLLM's
+own `KVEventBatch`, keeping per topic what a router following the store's events would hold."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+from devkit.local_cluster import HOST, free_port
+from devkit.vllm_server import VllmServer
+
+
+@dataclass
+class Topic:
+    """What one engine announced, as a router following it would keep it: by KV cache group
+    and hash (the groups of a hybrid model announce the same block hash each)."""
+
+    stored: list[BlockStored] = field(default_factory=list)
+    removed: list[BlockRemoved] = field(default_factory=list)
+    live: set = field(default_factory=set)  # (group_idx, block hash) announced and not removed
+    max_live: int = 0
+    violations: list[str] = field(default_factory=list)
+    other_media: Counter = field(default_factory=Counter)
+
+
+class Subscriber:
+    """Binds a SUB socket and decodes every batch with vLLM's schema on its own thread."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"tcp://{HOST}:{self.port}"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(self.endpoint)
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._lock = threading.Lock()
+        self.topics: dict[str, Topic] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            topic, _seq, payload = self._sock.recv_multipart()
+            batch = self._decoder.decode(payload)
+            with self._lock:
+                self._apply(self.topics.setdefault(topic.decode(), Topic()), batch)
+
+    @staticmethod
+    def _apply(t: Topic, batch: KVEventBatch) -> None:
+        for ev in batch.events:
+            if getattr(ev, "medium", None) != "STORAGE":
+                t.other_media[getattr(ev, "medium", type(ev).__name__)] += 1
+                continue
+            if isinstance(ev, BlockStored):
+                t.stored.append(ev)
+                for h in ev.block_hashes:
+                    if (ev.group_idx, h) in t.live:
+                        t.violations.append(f"BlockStored for {h} (group {ev.group_idx}) "
+                                            "while it is live")
+                    t.live.add((ev.group_idx, h))
+            elif isinstance(ev, BlockRemoved):
+                t.removed.append(ev)
+                for h in ev.block_hashes:
+                    if (ev.group_idx, h) not in t.live:
+                        t.violations.append(f"BlockRemoved for {h} (group {ev.group_idx}), "
+                                            "not announced live")
+                    t.live.discard((ev.group_idx, h))
+            t.max_live = max(t.max_live, len(t.live))
+
+    def view(self, topic: str) -> Topic:
+        with self._lock:
+            t = self.topics.get(topic, Topic())
+            return Topic(list(t.stored), list(t.removed), set(t.live), t.max_live,
+                         list(t.violations), Counter(t.other_media))
+
+    def wait(self, topic: str, until, what: str, poke: VllmServer, timeout: float = 90.0,
+             interval: float = 0.25) -> Topic:
+        """Until `until(view)`, poking the engine: vLLM takes a connector's events only in an
+        engine step, so what the sweep finds while the engine is idle waits for its next
+        request (docs/kv-events.md)."""
+        deadline = time.monotonic() + timeout
+        while not until(t := self.view(topic)):
+            assert time.monotonic() < deadline, (
+                f"{what}: not seen in {timeout:.0f}s; stored {len(t.stored)}, removed "
+                f"{len(t.removed)}, live {len(t.live)}, other media {dict(t.other_media)}")
+            poked(poke)
+            time.sleep(interval)
+        return t
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def poked(server: VllmServer) -> None:
+    """A request too short to fill a block (nothing saved, nothing looked up): a few engine
+    steps, in which vLLM takes the queued events and the stats of the previous ones."""
+    server.complete([5, 6, 7], max_tokens=2)
