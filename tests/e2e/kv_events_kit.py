@@ -14,7 +14,7 @@ import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from devkit.local_cluster import HOST, free_port
-from devkit.vllm_server import VllmServer
+from devkit.vllm_server import BLOCK_SIZE, VllmServer
 
 
 @dataclass
@@ -109,3 +109,9 @@ def poked(server: VllmServer) -> None:
     """A request too short to fill a block (nothing saved, nothing looked up): a few engine
     steps, in which vLLM takes the queued events and the stats of the previous ones."""
     server.complete([5, 6, 7], max_tokens=2)
+
+
+def blocks_of(prompts: list[list[int]], bs: int = BLOCK_SIZE) -> list[tuple[int, ...]]:
+    """The tokens of each full block of `prompts`, in blocks of `bs` tokens (what a
+    `BlockStored` for it carries in `token_ids`)."""
+    return [tuple(p[i * bs:(i + 1) * bs]) for p in prompts for i in range(len(p) // bs)]

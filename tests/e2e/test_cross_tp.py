@@ -50,7 +50,7 @@ from devkit.vllm_server import (
     uses_mla,
 )
 from tests.conftest import engine_extra
-from tests.e2e.kv_events_kit import Subscriber, Topic
+from tests.e2e.kv_events_kit import Subscriber, Topic, blocks_of
 from tests.engines import TP_START_TIMEOUT_S, tp_args, tp_env
 
 LOAD_TIMEOUT_S = 60.0  # and the lease, below: see the module's docstring
@@ -125,17 +125,13 @@ FULL_KINDS = ("full_attention", "mla_attention")  # groups that keep every block
 CPU_MLA_BLOCK_SIZE = 16
 
 
-def full_blocks(prompts: list[list[int]], bs: int) -> list[tuple[int, ...]]:
-    return [tuple(p[i * bs:(i + 1) * bs]) for p in prompts for i in range(len(p) // bs)]
-
-
 def check_one_event_per_block(sub: Subscriber, topic: str, server: VllmServer,
                               prompts: list[list[int]]) -> None:
     """Every block the TP=2 engine filled is announced once per KV cache group that stores
     it, whichever rank wrote which part: every full block in each full-attention group (the
     sliding group of the hybrid model stores only its window), nothing twice, nothing else."""
     bs = CPU_MLA_BLOCK_SIZE if uses_mla(server.model) else BLOCK_SIZE
-    want = full_blocks(prompts, bs)
+    want = blocks_of(prompts, bs)
 
     def full_groups(t: Topic) -> dict[int, list[tuple[int, ...]]]:
         groups: dict[int, list[tuple[int, ...]]] = {}

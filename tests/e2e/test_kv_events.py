@@ -26,7 +26,7 @@ import pytest
 from devkit.local_cluster import HOST, local_pool
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
-from tests.e2e.kv_events_kit import Subscriber, Topic, poked
+from tests.e2e.kv_events_kit import Subscriber, Topic, blocks_of, poked
 from tests.e2e.store_kit import wait_for_saves
 
 SEGMENT = "16MB"  # 4MB aborts mooncake_client (exit -6, seen)
@@ -46,11 +46,6 @@ def prompts(seed: int, n: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 1000) for _ in range(PROMPT_BLOCKS * BLOCK_SIZE + 5)]
             for _ in range(n)]
-
-
-def blocks_of(ps: list[list[int]]) -> list[tuple[int, ...]]:
-    return [tuple(p[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]) for p in ps for i in range(len(p)
-                                                                                   // BLOCK_SIZE)]
 
 
 @pytest.fixture(scope="module")
