@@ -26,6 +26,7 @@ from devkit.local_cluster import free_port
 from devkit.processes import HOST, spawn, stop_process, wait_http
 
 BLOCK_SIZE = 32
+CPU_MLA_BLOCK_SIZE = 16  # what vLLM's CPU MLA backend runs whatever --block-size says
 REPO = Path(__file__).resolve().parent.parent
 # The one dtype in which greedy outputs may be compared for equality. In bfloat16 the KV of a
 # prefix computed alone and inside a batch differ in their last bits on CPUs with AMX-BF16,
@@ -93,6 +94,12 @@ def uses_mla(model: str) -> bool:
     `kv_lora_rank`, which vLLM's `ModelConfig.use_mla` reads); a hub name is not a test model."""
     config = Path(model) / "config.json"
     return config.is_file() and bool(json.loads(config.read_text()).get("kv_lora_rank"))
+
+
+def engine_block_size(model: str) -> int:
+    """The block size an engine of `model` runs: BLOCK_SIZE, but 16 for MLA, where vLLM's CPU
+    MLA backend overrides --block-size ("CPU MLA backend requires block_size=16")."""
+    return CPU_MLA_BLOCK_SIZE if uses_mla(model) else BLOCK_SIZE
 
 
 def attention_backend(model: str) -> str:

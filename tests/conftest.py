@@ -96,6 +96,17 @@ def filled_store(tiny_model, master, store_node, prompts, reference_outputs) -> 
     return prefix
 
 
+@pytest.fixture(scope="module")
+def sub():
+    """A ZMQ subscriber to the engines' KV events, decoding them as a router would
+    (tests/e2e/kv_events_kit.py)."""
+    from tests.e2e.kv_events_kit import Subscriber
+
+    s = Subscriber()
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="session")
 def otlp_collector():
     collector = RotelCollector().start()

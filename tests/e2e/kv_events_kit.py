@@ -4,6 +4,7 @@ own `KVEventBatch`, keeping per topic what a router following the store's events
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -77,6 +78,12 @@ class Subscriber:
                                             "not announced live")
                     t.live.discard((ev.group_idx, h))
             t.max_live = max(t.max_live, len(t.live))
+
+    def engine_args(self, topic: str) -> tuple[str, ...]:
+        """`vllm serve` arguments that publish an engine's KV events here, under `topic`."""
+        return ("--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint,
+            "topic": topic}))
 
     def view(self, topic: str) -> Topic:
         with self._lock:

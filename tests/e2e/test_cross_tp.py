@@ -35,20 +35,13 @@ was seen giving exactly the writer's, as a bit-exact copy of the writer's prefix
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
 from devkit.local_cluster import local_pool
 from devkit.tiny_model import make_tiny_llama, make_tiny_mla
-from devkit.vllm_server import (
-    BLOCK_SIZE,
-    VllmServer,
-    connector_kv_config,
-    metric_sum,
-    uses_mla,
-)
+from devkit.vllm_server import VllmServer, connector_kv_config, engine_block_size, metric_sum
 from tests.conftest import engine_extra
 from tests.e2e.kv_events_kit import Subscriber, Topic, blocks_of
 from tests.engines import TP_START_TIMEOUT_S, tp_args, tp_env
@@ -86,9 +79,7 @@ def engine(model: str, tp: int, master, prefix: str, store_tp: int = 2,
     if events:
         sub, topic = events
         extra.update(kv_events="on", kv_events_sweep_s=0)
-        args += ("--kv-events-config", json.dumps({
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint,
-            "topic": topic}))
+        args += sub.engine_args(topic)
     return VllmServer(model, connector_kv_config(extra), env=tp_env(tp), extra_args=args
                       ).start(timeout=TP_START_TIMEOUT_S)
 
@@ -119,10 +110,6 @@ def check_from_store(delta: dict, prompts: list[list[int]], tp: int) -> None:
 
 
 FULL_KINDS = ("full_attention", "mla_attention")  # groups that keep every block of a prompt
-# vLLM's CPU MLA backend runs 16-token blocks whatever --block-size says ("CPU MLA backend
-# requires block_size=16, overriding user-specified block_size=32"): the connector's blocks
-# are vLLM's, so its events are of 16 tokens there.
-CPU_MLA_BLOCK_SIZE = 16
 
 
 def check_one_event_per_block(sub: Subscriber, topic: str, server: VllmServer,
@@ -130,7 +117,7 @@ def check_one_event_per_block(sub: Subscriber, topic: str, server: VllmServer,
     """Every block the TP=2 engine filled is announced once per KV cache group that stores
     it, whichever rank wrote which part: every full block in each full-attention group (the
     sliding group of the hybrid model stores only its window), nothing twice, nothing else."""
-    bs = CPU_MLA_BLOCK_SIZE if uses_mla(server.model) else BLOCK_SIZE
+    bs = engine_block_size(server.model)  # the connector's blocks, and events, are vLLM's
     want = blocks_of(prompts, bs)
 
     def full_groups(t: Topic) -> dict[int, list[tuple[int, ...]]]:
@@ -162,13 +149,6 @@ def check_one_event_per_block(sub: Subscriber, topic: str, server: VllmServer,
     assert {tuple(e.token_ids) for e in t.stored} <= set(want)
     assert all((e.medium, e.locality, e.block_size) == ("STORAGE", "REMOTE", bs)
                for e in t.stored)
-
-
-@pytest.fixture(scope="module")
-def sub():
-    s = Subscriber()
-    yield s
-    s.stop()
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

@@ -37,7 +37,14 @@ import pytest
 from connector.observability.metric_catalog import PREFIX as P
 from connector.store.client import TIMEOUT_ENV
 from devkit.tiny_model import make_tiny_llama, make_tiny_mla
-from devkit.vllm_server import BLOCK_SIZE, REPO, VllmServer, connector_kv_config, metric_sum
+from devkit.vllm_server import (
+    BLOCK_SIZE,
+    CPU_MLA_BLOCK_SIZE,
+    REPO,
+    VllmServer,
+    connector_kv_config,
+    metric_sum,
+)
 from tests.conftest import engine_extra
 from tests.e2e.fault_matrix_kit import (
     Reply,
@@ -88,7 +95,7 @@ class Row:
     in_step: bool = False  # the cell's loads run inside the engine step
     groups: int = 1  # KV cache groups: a lookup makes one existence check per group
     load_timeout_s: float = LOAD_TIMEOUT_S
-    block_size: int = BLOCK_SIZE  # the engine's (vLLM's CPU MLA backend forces 16)
+    block_size: int = BLOCK_SIZE  # the engine's (devkit.vllm_server.engine_block_size)
     # Seconds the master waits for a client's heartbeat before it drops the client and the
     # objects on its segment (Mooncake's default 10). A frozen node must stay a frozen node
     # for the whole burst, so this is well past the row's load_timeout_s.
@@ -118,7 +125,7 @@ ROWS: dict[str, Row] = {
     # MLA on CPU is not batch-invariant (measured: a prompt computed alone and inside a batch
     # gives different greedy tokens), so its engine runs one sequence at a time, like its
     # reference (which serves one request after another).
-    "mla": Row("mla", ASYNC, slots=1, sequential=True, block_size=16),
+    "mla": Row("mla", ASYNC, slots=1, sequential=True, block_size=CPU_MLA_BLOCK_SIZE),
     # TP=2 on 2 cores: each rank's thread spins on vLLM's step queue, so loads are slow. A
     # frozen-node burst lasts the 10 s deadline and more, past Mooncake's default client TTL
     # (seen: the master dropped the frozen node mid-burst, its loads then failed -704), and

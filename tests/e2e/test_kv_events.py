@@ -17,7 +17,6 @@ events or counters, bounded, and says what it saw.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 
@@ -54,22 +53,13 @@ def pool():
         yield master
 
 
-@pytest.fixture(scope="module")
-def sub():
-    s = Subscriber()
-    yield s
-    s.stop()
-
-
 def engine(model: str, master, sub: Subscriber, topic: str) -> VllmServer:
     extra = engine_extra(master, cache_prefix="kv-events", store_tp_size=2, kv_events="on",
                          kv_events_sweep_s=SWEEP_S,
                          kv_events_master_http=f"{HOST}:{master.metrics_port}",
                          load_timeout_s=60.0)
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint,
-              "topic": topic}
     return VllmServer(model, connector_kv_config(extra),
-                      extra_args=("--kv-events-config", json.dumps(events))).start(timeout=600)
+                      extra_args=sub.engine_args(topic)).start(timeout=600)
 
 
 @pytest.fixture(scope="module")
