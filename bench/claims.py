@@ -631,7 +631,8 @@ def frozen_get(r: Runs) -> str:
             "master")
 
 
-SUITE_TARGET_MIN = 20.0  # the whole command on 2 cores (issue 30)
+SUITE_TARGET_MIN = 30.0  # the whole command on 2 cores, the new e2e tests included (issue 37)
+SUITE_GOAL_MIN = 20.0  # the goal behind it (issue 30)
 FAST_TARGET_MIN = 3.0  # scripts/test.sh --fast
 
 
@@ -644,7 +645,8 @@ def _suite_targets(parts: dict[str, Any]) -> str:
         starts = sum(p["engine_start_s"] for p in whole) / 60
         out.append(f"Target: the whole command within {SUITE_TARGET_MIN:g} minutes on 2 cores: "
                    f"**{'met' if wall <= SUITE_TARGET_MIN else 'missed'}** ({wall:.1f} min, "
-                   f"of which {starts:.1f} min starting engines).")
+                   f"of which {starts:.1f} min starting engines); the goal of "
+                   f"{SUITE_GOAL_MIN:g} minutes: **{'met' if wall <= SUITE_GOAL_MIN else 'missed'}**.")
     fast = [p for name, p in parts.items() if name.startswith("fast")]
     if fast:
         wall = fast[0]["wall_s"] / 60

@@ -263,12 +263,16 @@ class VllmServer:
             raw = r.read()
         return json.loads(raw) if raw else None
 
-    def complete(self, prompt_ids: list[int], max_tokens: int = 8) -> Completion:
-        """Greedy completion of a token-id prompt; returns the generated token ids."""
-        out = self.post("/v1/completions", {
-            "model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
-            "temperature": 0.0, "return_token_ids": True, "ignore_eos": True,
-        })
+    def complete(self, prompt_ids: list[int], max_tokens: int = 8,
+                 cache_salt: str | None = None) -> Completion:
+        """Greedy completion of a token-id prompt; returns the generated token ids. A
+        `cache_salt` (vLLM's per-request field) changes every block hash of the request: no
+        local prefix-cache or store block of another salt matches it."""
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        out = self.post("/v1/completions", body)
         return Completion(out["choices"][0]["token_ids"], self.dtype)
 
     def reset_prefix_cache(self, wait_s: float = 60.0) -> bool:

@@ -4,11 +4,14 @@
 # durations: docs/development.md). Every skipped test is printed with its reason, and a skip not
 # in the allowed-skips list of docs/development.md fails the run.
 #
-#   scripts/test.sh           everything, in two phases:
+#   scripts/test.sh           everything, in phases:
 #                             1. the unit, store and deploy tiers (but the helm smoke test) on
 #                                pytest-xdist workers: no engine, and mostly waiting on processes
-#                             2. the e2e tier and the helm smoke test, serially: their vLLM
-#                                engines need the CPU to themselves
+#                             2. the e2e tier and the helm smoke test, whose files each declare
+#                                (tests/conftest.py) whether their assertions depend on time:
+#                                2a. `timed` files serially, alone on the machine;
+#                                2b. `side_by_side` files on two workers, a file at a time each,
+#                                    each worker's engines computing on a core of their own
 #   scripts/test.sh --fast    the unit and store tiers only (no engine): the inner loop
 #   scripts/test.sh -k worker pytest options apply to every phase (a phase they leave empty is
 #                             no failure); naming tests or folders runs just those, serially
@@ -64,7 +67,9 @@ phase "phase 1: unit + store + deploy (xdist)" "${WORKERS[@]}" tests/unit tests/
   tests/deploy --ignore "$SMOKE" ${args[@]+"${args[@]}"}
 # The unit tier once more against vLLM 0.33's sources, the version the image ships (~25 s).
 RECORD_SUITE_TIMES=${RECORD_SUITE_TIMES:+"phase 1b: unit on vLLM 0.33"} scripts/unit_033.sh -q -p tests.suite_times
-phase "phase 2: e2e + helm smoke (serial)" tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
+phase "phase 2a: e2e timed (serial)" -m timed tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
+PIN_ENGINES_PER_WORKER=1 phase "phase 2b: e2e side by side (2 workers)" -n 2 --dist loadfile \
+  -m side_by_side tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
 if [[ -n ${SUITE_TIMES_PARTS:-} ]]; then
   mv "$SUITE_TIMES_PARTS" docs/suite-times.json
   echo "docs/suite-times.json: this run's times; python -m bench.claims renders them"

@@ -1,7 +1,7 @@
 """Shared, session-scoped real components: a Mooncake master, a standalone store node (so stored
-blocks outlive the engines that wrote them), the tiny model, reference outputs from engines
-without the connector (`references`, cached for the session: tests/engines.py), and a
-4-thread engine whose prefixes come from the store.
+blocks outlive the engines that wrote them), the tiny model, the prompts' outputs computed from
+scratch (`reference_outputs`: salted, tests/engines.py), and a 4-thread engine whose prefixes
+come from the store.
 
 vLLM engines take about twenty seconds to start here, so each is started once per session and
 shared where the tests need the same configuration.
@@ -9,6 +9,7 @@ shared where the tests need the same configuration.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -21,13 +22,50 @@ from devkit.local_cluster import HOST, MooncakeMaster, StoreNode
 from devkit.otlp_collector import RotelCollector
 from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config
-from tests.engines import References
+from tests.engines import References, salted
 from tests.worker_kit import make_worker_on  # noqa: F401 - shared fixture
 
 vllm_server.IN_PROCESS_TP1 = True  # the tests' TP=1 engines start without a worker process
+# Files that start engines: each declares how it may run (TIMING_MARKS), scripts/test.sh runs it so.
+ENGINE_FILES = ("tests/e2e/", "tests/deploy/test_helm_smoke.py")
+TIMING_MARKS = {
+    "timed": "its assertions depend on time (deadlines, bounds, a tuner's rate): it runs "
+             "serially, alone on the machine",
+    "side_by_side": "its assertions do not depend on time: it runs beside another such file, "
+                    "each worker's engines computing on a core of their own",
+}
 POOLED_SERVICE = "pooled-server"  # OTEL_SERVICE_NAME of `pooled_server`'s spans
 PREFIX_TOKENS = 320  # 10 blocks of 32
 SUFFIX_TOKENS = 48
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, what in TIMING_MARKS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+    pin_engines_to_worker_core()
+
+
+def pin_engines_to_worker_core() -> None:
+    """Under scripts/test.sh's side-by-side phase (PIN_ENGINES_PER_WORKER=1), the engines of
+    pytest-xdist worker gwN compute on core N: vLLM binds its CPU worker's threads to the cores
+    VLLM_CPU_OMP_THREADS_BIND names (`auto` would put both workers' engines on the same core).
+    A TP=2 engine names both cores itself (tests/engines.py)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if os.environ.get("PIN_ENGINES_PER_WORKER") == "1" and worker.startswith("gw"):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(worker[2:]) % (os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """An engine test file without exactly one timing mark is a usage error naming it: a
+    new file must say whether it may run beside another one."""
+    bad = sorted({item.nodeid.split("::", 1)[0] for item in items
+                  if item.nodeid.startswith(ENGINE_FILES)
+                  and len({m.name for m in item.iter_markers()} & set(TIMING_MARKS)) != 1})
+    if bad:
+        raise pytest.UsageError(
+            f"{', '.join(bad)}: mark the file with exactly one of "
+            f"pytestmark = pytest.mark.timed ({TIMING_MARKS['timed']}) or "
+            f"pytest.mark.side_by_side ({TIMING_MARKS['side_by_side']})")
 
 
 def make_prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
@@ -69,31 +107,40 @@ def engine_extra(master: MooncakeMaster, **kw) -> dict:
 
 @pytest.fixture(scope="session")
 def references():
-    """Outputs of engines without the connector (float32), computed once per session:
-    `references.outputs(model, prompts, max_tokens=8, tp=1)`."""
+    """Engines without the connector (float32), their outputs cached for the session:
+    `references.outputs(model, prompts, max_tokens=8, tp=1)`. Only for what is about such an
+    engine; references for a store hit come from the engine under test (`salted`)."""
     refs = References()
     yield refs
     refs.close()
 
 
 @pytest.fixture(scope="session")
-def reference_outputs(tiny_model, prompts, references) -> list[list[int]]:
-    """Greedy outputs of an engine with no connector: the ground truth."""
-    return references.outputs(tiny_model, prompts)
-
-
-@pytest.fixture(scope="session")
-def filled_store(tiny_model, master, store_node, prompts, reference_outputs) -> str:
-    """Engine A (1 receive thread) serves the prompts once, saving their blocks, then exits."""
+def filled(tiny_model, master, store_node, prompts) -> tuple[str, list]:
+    """Engine A (1 receive thread) computes the prompts from scratch (salted: the ground
+    truth), then serves them, saving their blocks, and exits: (its cache prefix, the truth)."""
     prefix = "e2e"
     server = VllmServer(tiny_model, connector_kv_config(
         engine_extra(master, cache_prefix=prefix, load_threads=1))).start()
     try:
+        truth = salted(server, prompts)
         outputs = [server.complete(p) for p in prompts]
     finally:
         server.stop()
-    assert outputs == reference_outputs
-    return prefix
+    assert outputs == truth
+    return prefix, truth
+
+
+@pytest.fixture(scope="session")
+def filled_store(filled) -> str:
+    """The cache prefix under which the session's store holds the prompts' blocks."""
+    return filled[0]
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(filled) -> list[list[int]]:
+    """Greedy outputs of the prompts computed from scratch: the ground truth."""
+    return filled[1]
 
 
 @pytest.fixture(scope="module")

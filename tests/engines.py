@@ -1,23 +1,30 @@
-"""Engines shared by the tests: reference outputs from engines without the connector, computed
-once per session.
+"""Reference outputs: what an engine computes from scratch, to compare a store hit against.
 
-A `vllm serve` start costs about twenty seconds here (a TP=2 one more), and most test files
-compared their engines with one of their own without the connector. `References` keeps one
-reference engine per model and TP size while it is in use, and caches every output by model,
-TP size, prompt and max_tokens: a prompt asked for twice in a session is computed once, and a
-file that needs a model's references after another one did starts nothing. Reference engines
-run float32 (the default dtype), so their `Completion`s compare exactly.
+A `vllm serve` start costs about twenty seconds here (a TP=2 one more), so the tests take their
+references from the engine under test: `salted` sends each prompt with a `cache_salt` of its
+own (vLLM's per-request field), which changes every block hash of the request, so neither
+vLLM's prefix cache nor the store has a block for it and the engine computes it all; `salted`
+checks on /metrics that it did (no local and no store hit). That such an output is the output
+of an engine without the connector is shown once per layout (GQA, hybrid, MLA, TP=2) by
+`tests/e2e/test_cross_tp.py`, against `References`: engines without the connector, which only
+that check and the tests about an engine without the connector start.
+
+A salted request is still saved, under its salted hashes: a test that counts saves or events
+takes its references where they cannot be counted (before its baseline, or after its checks).
+All engines here run float32, so their `Completion`s compare exactly.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 
-from devkit.vllm_server import Completion, VllmServer
+from devkit.vllm_server import Completion, VllmServer, metric_sum
 
 # TP=2 on a 2-core host: one core per rank (see tests/e2e/test_cross_tp.py).
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 TP_START_TIMEOUT_S = 600  # two ranks' processes start slowly on a shared 2-core host
+HIT_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
 
 def tp_args(tp: int) -> tuple[str, ...]:
@@ -26,6 +33,20 @@ def tp_args(tp: int) -> tuple[str, ...]:
 
 def tp_env(tp: int) -> dict[str, str]:
     return dict(TP2_ENV) if tp > 1 else {}
+
+
+def salted(server: VllmServer, prompts: list[list[int]], max_tokens: int = 8
+           ) -> list[Completion]:
+    """Greedy outputs `server` computes from scratch, one prompt after another, each under a
+    cache salt of its own; AssertionError if any token came from vLLM's prefix cache or from
+    the store (then it is no reference)."""
+    before = server.metrics()
+    out = [server.complete(p, max_tokens, cache_salt=f"ref-{uuid.uuid4().hex}")
+           for p in prompts]
+    after = server.metrics()
+    hits = {c: metric_sum(after, c) - metric_sum(before, c) for c in HIT_COUNTERS}
+    assert not any(hits.values()), f"a salted reference took cached tokens: {hits}"
+    return out
 
 
 class References:

@@ -39,6 +39,8 @@ import yaml
 from devkit.local_cluster import free_port
 from devkit.processes import spawn, stop_process, wait_http, wait_port
 
+pytestmark = pytest.mark.side_by_side
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "mooncake-pooled-connector"
 HELM = ROOT / "bin" / "helm"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.side_by_side
+
 REPO = Path(__file__).resolve().parents[2]
 ROW_FIELDS = {"workload", "driver", "threads", "gbps", "p50_ms", "p99_ms", "ratio_to_1_thread",
               "ratio_to_ceiling", "master_rtt_ms", "blocks_per_job", "time_shares",

@@ -25,12 +25,18 @@ there (milliseconds on the TP=1 engine beside it), past the default `load_timeou
 Mooncake's default lease (`LEASE_EXPIRED`): so these engines and their master are patient.
 This test is about layouts; deadlines have their own tests.
 
-Each output is compared with engines without the connector of both TP sizes (the session's
-`references`, tests/engines.py). Where those two
-agree, the engine must give exactly their tokens. Where they disagree (a near-tie of the tiny
-random model that TP=2's other summation order tips, seen with MLA: the references part from
-the second token of one prompt), a reader of the other TP size's KV must give one of them: it
-was seen giving exactly the writer's, as a bit-exact copy of the writer's prefix should.
+Each output is compared with the same prompts computed from scratch on an engine of each TP
+size (salted: tests/engines.py), taken from the engines under test once their store checks
+are done (a salted request is saved and announced too). Where those two agree, the engine must
+give exactly their tokens. Where they disagree (a near-tie of the tiny random model that TP=2's
+other summation order tips, seen with MLA: the outputs part from the second token of one
+prompt), a reader of the other TP size's KV must give one of them: it was seen giving exactly
+the writer's, as a bit-exact copy of the writer's prefix should.
+
+This is also where the suite shows that a salted reference is the output of an engine without
+the connector, once per layout the other files rely on it for: GQA, hybrid and MLA at TP=1 and
+GQA at TP=2 (the fault matrix's rows use the same models), against engines without the
+connector (`references`), started after the connector's engines stopped.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ from devkit.tiny_model import make_tiny_llama, make_tiny_mla
 from devkit.vllm_server import VllmServer, connector_kv_config, engine_block_size, metric_sum
 from tests.conftest import engine_extra
 from tests.e2e.kv_events_kit import Subscriber, Topic, blocks_of
-from tests.engines import TP_START_TIMEOUT_S, tp_args, tp_env
+from tests.engines import TP_START_TIMEOUT_S, salted, tp_args, tp_env
+
+pytestmark = pytest.mark.side_by_side
 
 LOAD_TIMEOUT_S = 60.0  # and the lease, below: see the module's docstring
 MODELS = {
@@ -158,55 +166,67 @@ def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, patient_mas
     model = str(MODELS[kind](tmp_path_factory.mktemp(f"cross-tp-{kind}")))
     first, second = distinct_prompts(1), distinct_prompts(2)
     prefix = f"cross-tp-{kind}"
-    # Engines without the connector, per TP size: TP=2 sums its partial results in another
-    # order, which can move a near-tie of a tiny random model (seen with MLA in float32).
-    third = distinct_prompts(3) if kind == "gqa" else []
-    want = {tp: [references.outputs(model, ps, tp=tp) for ps in (first, second, third)]
-            for tp in (1, 2)}
-    references.release(model)
 
     # Fills (each rank stores its objects) and announces each block once; later reads.
     tp2 = engine(model, 2, master, prefix, events=(sub, kind))
     try:
-        filled, _ = serve(tp2, first)
-        assert filled == want[2][0]
+        filled2, _ = serve(tp2, first)
         check_one_event_per_block(sub, kind, tp2, first)  # and then nothing is local
 
         tp1 = engine(model, 1, master, prefix)  # loads the TP=2 engine's blocks, then fills
         try:
-            got, delta = serve(tp1, first)
-            check_outputs(got, want[1][0], want[2][0])
-            check_from_store(delta, first, 1)
-            filled, _ = serve(tp1, second)
-            assert filled == want[1][1]
+            got1, delta1 = serve(tp1, first)
+            filled1, _ = serve(tp1, second)
             tp1.reset_prefix_cache()  # every save of the TP=1 engine is stored
+            want1 = [salted(tp1, ps) for ps in (first, second)]
         finally:
             tp1.stop()
 
-        got, delta = serve(tp2, second)  # and the reverse, on the engine that filled
+        got2, delta2 = serve(tp2, second)  # and the reverse, on the engine that filled
+        want2 = [salted(tp2, ps) for ps in (first, second)]
     finally:
         tp2.stop()
-    check_outputs(got, want[2][1], want[1][1])
-    check_from_store(delta, second, 2)
-    if third:
-        reads_slices(model, master, prefix + "-s1", third, want)
+    assert filled2 == want2[0] and filled1 == want1[1]
+    check_outputs(got1, want1[0], want2[0])
+    check_from_store(delta1, first, 1)
+    check_outputs(got2, want2[1], want1[1])
+    check_from_store(delta2, second, 2)
+    salted_is_unconnected(references, model, {1: want1, 2: want2 if kind == "gqa" else None},
+                          (first, second))
+    if kind == "gqa":
+        reads_slices(model, master, prefix + "-s1", distinct_prompts(3))
 
 
-def reads_slices(model: str, master, prefix: str, prompts: list, want: dict) -> None:
+def salted_is_unconnected(references, model: str, salted_outputs: dict, prompt_sets: tuple
+                          ) -> None:
+    """The salted outputs of the connector's engines (per TP size; None: not checked at that
+    size) are exactly the outputs of an engine without the connector of the same TP size."""
+    for tp, outputs in salted_outputs.items():
+        if outputs is None:
+            continue
+        plain = [references.outputs(model, ps, tp=tp) for ps in prompt_sets]
+        assert outputs == plain, (f"TP={tp}: a salted reference differs from an engine "
+                                  f"without the connector", outputs, plain)
+    references.release(model)
+
+
+def reads_slices(model: str, master, prefix: str, prompts: list) -> None:
     """store_tp_size 1: a TP=1 engine stores each block as one object; each rank of a TP=2
     engine reads only its half of it (ranged gets), and saves nothing."""
     tp1 = engine(model, 1, master, prefix, store_tp=1)
     try:
         filled, _ = serve(tp1, prompts)
+        want1 = salted(tp1, prompts)
     finally:
         tp1.stop()
-    assert filled == want[1][2]
+    assert filled == want1
     tp2 = engine(model, 2, master, prefix, store_tp=1)
     try:
         got, delta = serve(tp2, prompts)
+        want2 = salted(tp2, prompts)
     finally:
         tp2.stop()
-    check_outputs(got, want[2][2], want[1][2])
+    check_outputs(got, want2, want1)
     check_from_store(delta, prompts, 2)
     assert metric_sum(delta, "vllm:mooncake_pool_layout_keys_total", op="load",
                       layout="kv_heads_slice") > 0

@@ -27,7 +27,7 @@ from dashboards.local_prometheus import LocalPrometheus  # noqa: E402
 from dashboards.promql import substitute  # noqa: E402
 from tests.e2e.store_kit import wait_for_scrapes  # noqa: E402
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.side_by_side, pytest.mark.timeout(1500)]
 
 RATE_INTERVAL = "15s"
 POD = "vllm-pooled"

@@ -2,7 +2,8 @@
 and a working set three times the memory. The same run twice, on two pools that differ only in
 the tier:
 - with it, blocks evicted from memory still hit (from disk), where without it they miss;
-- outputs equal recompute (an engine without the connector, float32) in both runs;
+- outputs equal recompute (float32: each run's engine computes the prompts under cache salts
+  once its figures are taken, tests/engines.py) in both runs;
 - the per-tier series move (tokens and bytes served from memory and from disk), and the Disk
   tier row of the dashboard shows them from a real Prometheus.
 
@@ -31,8 +32,9 @@ from tests.e2e.store_kit import (
     wait_for_saves,
     watching,
 )
+from tests.engines import salted
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.side_by_side, pytest.mark.timeout(1800)]
 
 BLOCKS = 8  # full blocks per prompt
 LAYERS = 8  # a float32 block of this model is 128 KiB (Mooncake's smallest segment is 16 MB)
@@ -50,13 +52,6 @@ def deep_model(tmp_path_factory) -> str:
     from devkit.tiny_model import make_tiny_llama
 
     return str(make_tiny_llama(tmp_path_factory.mktemp("deep-llama"), layers=LAYERS))
-
-
-@pytest.fixture(scope="module")
-def reference(deep_model, references) -> list[list[int]]:
-    outputs = references.outputs(deep_model, PROMPTS)
-    references.release(deep_model)  # no other test uses this model
-    return outputs
 
 
 def wait_until_on_disk(master: MooncakeMaster, server: VllmServer, timeout: float = 300.0
@@ -102,7 +97,8 @@ def fill(server: VllmServer, master: MooncakeMaster, offload: bool) -> list[list
 
 def run(model, master: MooncakeMaster, offload: bool, prom_dir=None):
     """Fill the store with every prompt, then serve them all again from a reset local cache:
-    (outputs of both passes, the second pass's metric deltas, panels of the Disk tier row)."""
+    (outputs of both passes, the second pass's metric deltas, panels of the Disk tier row,
+    the prompts computed from scratch afterwards)."""
     extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
                                 cache_prefix="disk", enable_offload=offload)
     server = VllmServer(model, connector_kv_config(extra))
@@ -117,20 +113,19 @@ def run(model, master: MooncakeMaster, offload: bool, prom_dir=None):
         panels = []
         if prom:  # once Prometheus holds what /metrics said after the second pass
             panels, _ = scraped_row(prom, "load-pipeline.json", "Disk tier", start)
-        return first, second, delta, panels
+        return first, second, delta, panels, salted(server, PROMPTS)
     finally:
         server.stop()
         if prom:
             prom.stop()
 
 
-def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(deep_model, reference,
-                                                               tmp_path):
+def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(deep_model, tmp_path):
     m = MooncakeMaster(offload=True, extra_args=LEASE).start()
     try:
         node = StoreNode(m, segment_size=SEGMENT, offload_path=str(tmp_path / "offload")).start()
         try:
-            first, second, delta, panels = run(deep_model, m, True, tmp_path)
+            first, second, delta, panels, truth = run(deep_model, m, True, tmp_path)
         finally:
             node.stop()
     finally:
@@ -139,7 +134,7 @@ def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(deep_model, refe
     try:
         node = StoreNode(plain, segment_size=SEGMENT).start()
         try:
-            p_first, p_second, p_delta, _ = run(deep_model, plain, False)
+            p_first, p_second, p_delta, _, p_truth = run(deep_model, plain, False)
         finally:
             node.stop()
     finally:
@@ -148,7 +143,7 @@ def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(deep_model, refe
     with_tier, without = store_hits(delta), store_hits(p_delta)
     print(f"store-hit tokens of {LOOKED_UP} looked up: {with_tier:.0f} with the disk tier, "
           f"{without:.0f} with memory alone ({SEGMENT}: {128 * BLOCK_SIZE} tokens)")
-    assert first == second == reference and p_first == p_second == reference
+    assert first == second == truth and p_first == p_second == p_truth == truth
     # Memory alone holds at most 128 blocks of the 384: the rest misses. With the tier
     # nearly everything hits, most of it from disk.
     assert without <= 128 * BLOCK_SIZE

@@ -18,6 +18,8 @@ from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metr
 from tests.conftest import engine_extra
 from tests.e2e.store_kit import wait_for_saves
 
+pytestmark = pytest.mark.timed
+
 REQUESTS = 720  # at ~45 jobs/s on one thread, enough backlog for the tuner's first probe
 CLIENTS = 64
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import corrupt_stored_block, engine_extra, stored_block_keys
+
+pytestmark = pytest.mark.side_by_side
 
 
 def serve_from_store(server: VllmServer, prompts: list[list[int]]) -> tuple[list, dict, dict]:

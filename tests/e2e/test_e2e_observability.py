@@ -26,6 +26,8 @@ from tests.conftest import POOLED_SERVICE, corrupt_stored_block, engine_extra
 from tests.e2e.store_kit import wait_for_scrapes
 from tests.helm_kit import engine_scrape_path
 
+pytestmark = pytest.mark.side_by_side
+
 QUIET_SERVICE = "always-off-engine"
 
 

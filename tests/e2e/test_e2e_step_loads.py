@@ -14,6 +14,8 @@ from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metr
 from tests.conftest import corrupt_stored_block, engine_extra
 from tests.e2e.store_kit import wait_for_saves
 
+pytestmark = pytest.mark.timed
+
 PREFIX = "steploads"
 TOTAL = "vllm:mooncake_pool_ttft_store_seconds_count"
 PHASE = "vllm:mooncake_pool_ttft_store_phase_seconds_count"

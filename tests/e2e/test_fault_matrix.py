@@ -58,9 +58,9 @@ from tests.e2e.fault_matrix_kit import (
     series,
     slots_held,
 )
-from tests.engines import References, tp_args, tp_env
+from tests.engines import salted, tp_args, tp_env
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timed, pytest.mark.timeout(1800)]
 
 N = 4  # requests per cell
 BLOCKS = 8  # full blocks per prompt
@@ -156,8 +156,8 @@ def warm_prompt(row: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tiny_model) -> dict[str, str]:
-    """The rows' models; `gqa` is the session's tiny model, whose references other files
-    share (tests/engines.py)."""
+    """The rows' models (`gqa` is the session's tiny model); test_cross_tp shows that a salted
+    reference of each is the output of an engine without the connector."""
     root = tmp_path_factory.mktemp("fault-matrix-models")
     return {k: tiny_model if k == "gqa" else str(make(root / k)) for k, make in MODELS.items()
             if any(r.model == k for r in ROWS.values())}
@@ -171,12 +171,25 @@ class Env:
     store: Store
     server: VllmServer
     model: str
-    references: References
+    truth: dict[tuple[int, ...], Any] = field(default_factory=dict)
 
     def want(self, work: list[list[int]]) -> list:
-        """Greedy outputs of an engine without the connector (float32, one request at a
-        time), from the session's reference cache."""
-        return self.references.outputs(self.model, work, tp=self.row.tp)
+        """The prompts' greedy outputs computed from scratch (float32, one request at a time:
+        `references`)."""
+        return [self.truth[tuple(p)] for p in work]
+
+    def references(self) -> None:
+        """Every prompt the row will send, computed on its engine under salts of its own
+        (tests/engines.py) before any cell; then their saves are done and on /metrics (a
+        step ships the workers' counts), and the store is emptied of them: no cell counts or
+        evicts them."""
+        work = [p for f in FAULTS for p in (*cell_prompts(self.name, f),
+                                            probe_prompt(self.name, f))]
+        work.append(warm_prompt(self.name))
+        self.truth = dict(zip(map(tuple, work), salted(self.server, work), strict=True))
+        self.server.reset_prefix_cache()  # every save of them ended
+        stepped(self)
+        assert self.store.remove_all() == 0
 
     def healthy(self) -> bool:
         try:
@@ -187,16 +200,9 @@ class Env:
 
 
 @pytest.fixture(scope="module", params=list(ROWS))
-def env(request, models, references, tmp_path_factory):
+def env(request, models, tmp_path_factory):
     name, row = request.param, ROWS[request.param]
     model = models[row.model]
-    # Every prompt the rows of this model and TP size will send, computed while its reference
-    # engine is up, then that engine stopped: the connector's engine gets the CPU.
-    references.outputs(model, [p for r, rr in ROWS.items() if rr.model == row.model
-                               and rr.tp == row.tp for f in FAULTS
-                               for p in (*cell_prompts(r, f), probe_prompt(r, f),
-                                         warm_prompt(r))], tp=row.tp)
-    references.release(model)
     store = Store(offload_dir=str(tmp_path_factory.mktemp("offload")) if row.disk else None,
                   client_ttl_s=row.client_ttl_s)
     store.start()
@@ -208,7 +214,8 @@ def env(request, models, references, tmp_path_factory):
                                     "--max-num-seqs", str(row.slots)))
     try:
         server.start(timeout=600)
-        env = Env(name, row, store, server, model, references)
+        env = Env(name, row, store, server, model)
+        env.references()
         # The store works before the first fault (for in-step rows: a load ran in the step,
         # so the first cell's loads have an estimate to run in-step by).
         recovered(env, warm_prompt(name))

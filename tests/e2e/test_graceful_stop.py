@@ -32,7 +32,7 @@ from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum, parse_metrics
 from tests.conftest import engine_extra
 from tests.e2e.store_kit import PREFIX, saved_blocks, store_hits
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timed, pytest.mark.timeout(1800)]
 CACHE_PREFIX = "graceful-stop"
 SHUTDOWN = ("--shutdown-timeout", "30")
 LOST = re.compile(r"shutdown: (\d+) store keys.*; took ([\d.]+)s")

@@ -28,6 +28,9 @@ from devkit.local_cluster import _wait_segment_mounted
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.conftest import ha_group, in_process_config
 from tests.e2e.store_kit import random_prompts, wait_for_cache
+from tests.engines import salted
+
+pytestmark = pytest.mark.timed
 
 P = "vllm:mooncake_pool_"
 HITS = "vllm:external_prefix_cache_hits_total"
@@ -73,7 +76,7 @@ def ha_cluster(ha_etcd):
 
 
 @pytest.fixture(scope="module")
-def ha_server(tiny_model, ha_cluster, reference_outputs):
+def ha_server(tiny_model, ha_cluster):
     # No MC_STORE_CLUSTER_ID in the engine's environment: the connector exports cluster_id.
     assert CLUSTER_ID_ENV not in os.environ
     server = VllmServer(tiny_model, connector_kv_config(ha_cluster.store_config(
@@ -81,6 +84,12 @@ def ha_server(tiny_model, ha_cluster, reference_outputs):
         lookup_timeout_s=1.0))).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def ha_truth(ha_server, prompts) -> list:
+    """The prompts computed from scratch on the HA engine (salted: tests/engines.py)."""
+    return salted(ha_server, prompts)
 
 
 def test_wrong_cluster_id_fails_fast_naming_it(ha_cluster, monkeypatch):
@@ -230,14 +239,13 @@ def hits_after_failover(cluster: HaCluster, server: VllmServer, old: HaMaster,
         time.sleep(1.0)
 
 
-def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts,
-                                              reference_outputs):
+def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts, ha_truth):
     server = ha_server
-    assert [server.complete(p) for p in prompts] == reference_outputs  # computed and saved
+    assert [server.complete(p) for p in prompts] == ha_truth  # computed and saved
     time.sleep(1.5)  # saves drain, and the standby applies them (oplog poll: 1 s)
     hits_before, _, outputs = store_hits(server, prompts)
     # The first prompt of each shared prefix loads it; the others load only their own block.
-    assert outputs == reference_outputs and hits_before >= 2 * (352 + 2 * 32)
+    assert outputs == ha_truth and hits_before >= 2 * (352 + 2 * 32)
     m0 = server.metrics()
     server.reset_prefix_cache()
     leader = ha_cluster.leader()
@@ -252,10 +260,10 @@ def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts,
     outputs, after_kill, before_kill = staggered_burst(server, work, kill)
     print(f"burst: kill {before_kill:.2f}s after the first request, last response "
           f"{after_kill:.2f}s after the kill")
-    assert outputs == reference_outputs * 2, "a request hit by the failover changed its output"
+    assert outputs == ha_truth * 2, "a request hit by the failover changed its output"
     assert after_kill > 0, "the burst finished before the kill: nothing was tested"
     assert after_kill < 5.0, f"the burst waited {after_kill:.1f}s for the failover"
-    hit_s, miss_s = first_store_hit(server, prompts[0], reference_outputs[0], marks["kill"])
+    hit_s, miss_s = first_store_hit(server, prompts[0], ha_truth[0], marks["kill"])
     serving_s = round(marks["watch"]["serving_s"], 2)
     print(f"new leader served {serving_s}s after the kill; store hits back at {hit_s}s "
           f"(a request sent at {miss_s}s had none)")
@@ -263,7 +271,7 @@ def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts,
 
     new, (hits_after, saved, outputs) = hits_after_failover(ha_cluster, server, leader,
                                                            prompts, hits_before)
-    assert outputs == reference_outputs
+    assert outputs == ha_truth
     print(f"store hits: {hits_after:.0f} prompt tokens after the failover, "
           f"{hits_before:.0f} before")
     assert hits_after >= 0.9 * hits_before, "the cache did not survive the failover"
@@ -292,7 +300,7 @@ def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts,
 
 
 def test_failed_promotion_serves_by_recompute_and_recovers(ha_server, ha_cluster, prompts,
-                                                          reference_outputs):
+                                                          ha_truth):
     """The standby's RPC port is taken when the leader dies: its promotion fails and it
     exits 255, and nothing serves. Requests are served meanwhile by recompute (same outputs,
     no request waits for the master), a real Prometheus scraping both masters shows the
@@ -321,14 +329,14 @@ def test_failed_promotion_serves_by_recompute_and_recovers(ha_server, ha_cluster
             assert time.monotonic() - t_kill < 120, "no failed promotion, or no alert"
             server.reset_prefix_cache()
             t = time.monotonic()
-            assert [server.complete(p) for p in prompts] == reference_outputs
+            assert [server.complete(p) for p in prompts] == ha_truth
             slowest = max(slowest, (time.monotonic() - t) / len(prompts))
         alert_s = round(time.monotonic() - t_kill, 2)
     assert standby.exits[0] == 255 and "Failed to start master service" in standby.log()
     print(f"promotion failed, alert expression true {alert_s}s after the kill; slowest "
           f"request meanwhile {slowest:.2f}s")
     assert slowest < 5.0, "requests waited for the master"
-    hit_s, miss_s = first_store_hit(server, prompts[0], reference_outputs[0], t_kill)
+    hit_s, miss_s = first_store_hit(server, prompts[0], ha_truth[0], t_kill)
     serving_s = round(watch["serving_s"], 2)
     assert cluster.leader() is standby and hit_s > serving_s
     print(f"restarted master served {serving_s}s after the kill, store hits at {hit_s}s")
@@ -392,7 +400,7 @@ def partition_cluster(partition_net):
 
 
 @pytest.fixture(scope="module")
-def partition_server(tiny_model, partition_net, partition_cluster, reference_outputs):
+def partition_server(tiny_model, partition_net, partition_cluster):
     server = VllmServer(tiny_model, connector_kv_config(partition_cluster.store_config(
         global_segment_size=0, local_buffer_size="64MB", cache_prefix="partition",
         load_threads=4, lookup_timeout_s=1.0, store_timeout_s=2.0)))
@@ -401,16 +409,22 @@ def partition_server(tiny_model, partition_net, partition_cluster, reference_out
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def partition_truth(partition_net, partition_server, prompts) -> list:
+    """The prompts computed from scratch on the partition test's engine (salted)."""
+    return partition_net.run("core", lambda: salted(partition_server, prompts))
+
+
 def test_leader_partitioned_during_store_hit_burst(partition_net, partition_cluster,
                                                    partition_server, prompts,
-                                                   reference_outputs):
+                                                   partition_truth):
     """The leader stays alive but its packets vanish (no RST): a store call in flight to it
     waits for its RPC timeout (store_timeout_s, exported as MC_RPC_TIMEOUT_MS; Mooncake's own
     default is 30 s), later jobs fail fast, and the cache is back once the standby serves."""
     net, cluster, server = partition_net, partition_cluster, partition_server
 
     def body() -> None:
-        assert [server.complete(p) for p in prompts] == reference_outputs
+        assert [server.complete(p) for p in prompts] == partition_truth
         time.sleep(1.5)
         hits_before, _, _ = store_hits(server, prompts)
         server.reset_prefix_cache()
@@ -419,11 +433,11 @@ def test_leader_partitioned_during_store_hit_burst(partition_net, partition_clus
         outputs, after, _ = staggered_burst(server, prompts * 2,
                                             lambda: net.partition(member))
         print(f"burst: last response {after:.2f}s after the partition")
-        assert outputs == reference_outputs * 2
+        assert outputs == partition_truth * 2
         assert 0 < after < 2.0 + 5.0, f"the burst waited {after:.1f}s for the partition"
         _, (hits_after, saved, outputs) = hits_after_failover(cluster, server, old, prompts,
                                                               hits_before)
-        assert outputs == reference_outputs
+        assert outputs == partition_truth
         assert hits_after >= 0.9 * hits_before and saved == 0
         record("serve_leader_partition", {
             "what": "as serve_leader_kill, but the leader's link is cut (network namespaces); "

@@ -32,7 +32,7 @@ from tests.e2e.store_kit import (
     wait_for_saves,
 )
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.side_by_side, pytest.mark.timeout(1500)]
 
 
 @pytest.fixture(scope="module")

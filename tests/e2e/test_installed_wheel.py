@@ -15,7 +15,7 @@ from devkit.vllm_server import VllmServer, metric_sum
 from tests.conftest import engine_extra
 from tests.e2e.store_kit import PREFIX, by_name, serve, store_hits
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.side_by_side, pytest.mark.timeout(900)]
 
 
 def test_connector_by_name_from_the_installed_wheel(tiny_model, master, store_node, prompts,

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from connector.observability.metric_catalog import PREFIX as P
 from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra
+
+pytestmark = pytest.mark.side_by_side
 
 
 def test_other_model_no_hits_and_preemption_stores_only_correct_blocks(

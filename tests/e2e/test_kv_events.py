@@ -28,6 +28,8 @@ from tests.conftest import engine_extra
 from tests.e2e.kv_events_kit import Subscriber, Topic, blocks_of, poked
 from tests.e2e.store_kit import wait_for_saves
 
+pytestmark = pytest.mark.side_by_side
+
 SEGMENT = "16MB"  # 4MB aborts mooncake_client (exit -6, seen)
 # Leases of 0.5 s instead of Mooncake's 5 s (as tests/e2e/test_disk_tier.py): a block written
 # or looked up a moment ago becomes evictable soon, so writing past the capacity evicts the

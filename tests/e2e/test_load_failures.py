@@ -19,6 +19,8 @@ from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import corrupt_stored_block, engine_extra
 
+pytestmark = pytest.mark.side_by_side
+
 PREFIX = "load-failures-hybrid"
 
 

@@ -20,7 +20,7 @@ from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum
 from tests.conftest import by_name_env, engine_extra
 from tests.e2e.store_kit import PREFIX, serve, store_hits
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.side_by_side, pytest.mark.timeout(1800)]
 
 
 def example(path) -> dict:

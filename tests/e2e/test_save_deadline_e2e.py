@@ -4,8 +4,9 @@
 its whole duration. A store node of this module's own is frozen (SIGSTOP) until a save call
 has outlived `save_timeout_s` and the engine has preempted, while it serves a burst that
 preempts (a 40-block KV cache). Afterwards a fresh engine loads those prefixes from the store
-and must give the greedy tokens of an engine without the connector: no stored block holds
-another request's KV. Engines run float32, `VllmServer`'s default.
+and must give the greedy tokens of the prompts computed from scratch (salted, on that engine
+once it has loaded: tests/engines.py): no stored block holds another request's KV. Engines
+run float32, `VllmServer`'s default.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from connector.observability.metric_catalog import PREFIX as P
 from devkit.processes import freeze, thaw
 from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
 from tests.conftest import engine_extra, make_prompts
+from tests.engines import salted
+
+pytestmark = pytest.mark.timed
 
 MAX_TOKENS = 48
 # A put against the frozen node waits Mooncake's transfer timeout for each group of slices, so
@@ -45,10 +49,9 @@ def preemptions(m: dict[str, float]) -> float:
 
 
 def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_model,
-                                                                           cluster, references):
+                                                                           cluster):
     master, node = cluster
     work = make_prompts(6, seed=25)
-    truth = references.outputs(tiny_model, work, MAX_TOKENS)
 
     a = engine(tiny_model, master, "--num-gpu-blocks-override", "40").start()
     try:
@@ -72,10 +75,9 @@ def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_
                 thaw(node.proc)
                 print(f"store node frozen {time.monotonic() - frozen_at:.1f}s, "
                       f"{preemptions(m) - preemptions(before):.0f} preemptions by then")
-                outputs = [f.result(timeout=300) for f in burst]
+                served = [f.result(timeout=300) for f in burst]
         finally:
             thaw(node.proc)
-        assert outputs == truth * 2, "a request served during the freeze changed its output"
         # Let the saves drain (the stuck puts return now the node answers) before the stop.
         deadline = time.monotonic() + 120
         while True:
@@ -93,7 +95,9 @@ def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_
     try:
         again = [b.complete(p, MAX_TOKENS) for p in work]
         m = b.metrics()
+        truth = salted(b, work, MAX_TOKENS)
     finally:
         b.stop()
+    assert served == truth * 2, "a request served during the freeze changed its output"
     assert again == truth, "a block loaded from the store holds another request's KV"
     assert metric_sum(m, P + "load_bytes_total") > 0, "nothing was loaded from the store"

@@ -9,6 +9,8 @@ import pytest
 from devkit.local_cluster import MooncakeMaster
 from devkit.vllm_server import VllmServer, connector_kv_config
 
+pytestmark = pytest.mark.side_by_side
+
 
 def test_vllm_refuses_to_start_with_bad_thread_count(tiny_model, master):
     """The whole engine stops at startup with the field named, instead of hanging."""

@@ -5,7 +5,8 @@ What must hold (issue 21):
 - the flooding tenant's overflow is rejected or evicted within its quota: the master never
   charges it more than its effective quota, and counts its rejects / evictions;
 - the other tenant's hit rate on its hot prefixes is the same before and after the flood;
-- every request of both completes with the outputs of an engine without the connector (float32);
+- every request of both completes with the outputs computed from scratch (float32; salted on
+  each tenant's engine once everything else is measured, tests/engines.py);
 - a put rejected by the quota is on the flooding engine's /metrics with its code (-1700);
 - the Tenants row of the dashboard shows all of it from a real Prometheus;
 - an engine of one tenant sending another tenant's exact prompts takes no token from the
@@ -25,8 +26,9 @@ import pytest
 from devkit.local_cluster import local_pool
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.e2e import store_kit as kit
+from tests.engines import salted
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.side_by_side, pytest.mark.timeout(1800)]
 
 FLOOD_QUOTA = "1MB"  # 32 blocks of 32 KiB (float32)
 HOT, FLOOD = "hot", "flood"
@@ -49,12 +51,6 @@ def tenant_master():
         yield master
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model, references) -> dict[tuple[int, ...], list[int]]:
-    prompts = HOT_PROMPTS + FLOOD_PROMPTS
-    return dict(zip(map(tuple, prompts), references.outputs(tiny_model, prompts), strict=True))
-
-
 def tenant_engine(tiny_model, master, tenant: str) -> VllmServer:
     extra = master.store_config(global_segment_size=0, local_buffer_size="64MB",
                                 tenant_id=tenant, cache_prefix="tenants")
@@ -67,7 +63,7 @@ def hit_rate(delta: dict[str, float], tenant: str) -> float:
     return hit / (hit + miss)
 
 
-def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, reference, tmp_path):
+def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, tmp_path):
     hot = tenant_engine(tiny_model, tenant_master, HOT)
     flood = tenant_engine(tiny_model, tenant_master, FLOOD)
     prom = kit.watching([hot, flood], tenant_master, str(tmp_path)).start()
@@ -114,20 +110,23 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, reference, 
         # The Tenants row of "Mooncake pool / Errors and store", from a real Prometheus.
         panels, end = kit.scraped_row(prom, "errors-and-store.json", "Tenants", start)
 
+        m = kit.master_metrics(tenant_master)
+        fm, hm = flood.metrics(), hot.metrics()
+        # Measured: now each tenant's prompts computed from scratch on its own engine (their
+        # salted saves come after every figure above).
+        want_hot, want_flood = salted(hot, HOT_PROMPTS), salted(flood, FLOOD_PROMPTS)
+
         print(f"hot tenant token hit rate: before the flood {rate_before:.3f}, "
               f"after {rate_after:.3f}")
-        # Every request of both tenants: the outputs of an engine without the connector.
-        want_hot = [reference[tuple(p)] for p in HOT_PROMPTS]
+        # Every request of both tenants: the outputs computed from scratch.
         assert first == before_out == after_out == crossed_out == want_hot
         assert metric_sum(crossed, "vllm:external_prefix_cache_hits_total") == 0
         assert metric_sum(crossed, kit.PREFIX + "lookup_miss_tokens_total") > 0  # it looked
-        want_flood = [reference[tuple(p)] for p in FLOOD_PROMPTS]
         assert flood_first == want_flood and flood_second == want_flood
         # The hot tenant's hit rate is unchanged, and it is a real hit rate.
         assert rate_before == rate_after > 0.9
         # The flood stayed within its quota, and the master rejected or evicted its overflow.
         assert not over, f"the flooding tenant was charged above its quota: {over[:5]}"
-        m = kit.master_metrics(tenant_master)
         rejected = metric_sum(m, "mooncake_tenant_quota_reject_total", tenant_id=FLOOD)
         evicted = metric_sum(m, "mooncake_tenant_evict_bytes_total", tenant_id=FLOOD)
         assert rejected > 0 and evicted > 0
@@ -135,13 +134,12 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, reference, 
         assert metric_sum(m, "mooncake_tenant_evict_bytes_total", tenant_id=HOT) == 0
         # The rejected puts, with their code, on the flooding engine's /metrics (and only there).
         refused = kit.PREFIX + "failures_total"
-        fm = flood.metrics()
         print(f"flood tenant: {rejected:.0f} writes rejected and {evicted / 2**20:.1f} MB evicted "
               "by the master; save failures by code on its engine:",
               {k.split("code=")[1].split(",")[0]: v for k, v in fm.items()
                if k.startswith(refused) and 'op="save"' in k and v})
         assert metric_sum(fm, refused, op="save", code="-1700", tenant=FLOOD) > 0
-        assert metric_sum(hot.metrics(), refused, op="save", code="-1700") == 0
+        assert metric_sum(hm, refused, op="save", code="-1700") == 0
 
         # The Tenants row, as queried above.
         assert not kit.empty_targets(panels), "\n".join(kit.empty_targets(panels))
@@ -155,7 +153,7 @@ def test_two_tenants_one_floods_its_quota(tiny_model, tenant_master, reference, 
 
 
 def test_tenants_share_no_block_on_a_master_without_tenants(tiny_model, master, store_node,
-                                                            prompts, reference_outputs):
+                                                            prompts):
     """The session's master runs without --enable_multi_tenants, so it ignores tenant_id:
     tenant b, sending tenant a's exact prompts, still misses every block."""
     a, b = (VllmServer(tiny_model, connector_kv_config(master.store_config(
@@ -163,14 +161,15 @@ def test_tenants_share_no_block_on_a_master_without_tenants(tiny_model, master, 
         cache_prefix="plain-tenants"))) for t in ("team-a", "team-b"))
     try:
         a.start()
-        assert kit.serve(a, prompts)[0] == reference_outputs
+        truth = salted(a, prompts)
+        assert kit.serve(a, prompts)[0] == truth
         # Blocks of the prompts' shared prefixes are computed (and saved) once.
         kit.wait_for_saves(a, len({tuple(p[:i + BLOCK_SIZE]) for p in prompts
                                for i in range(0, len(p) - BLOCK_SIZE + 1, BLOCK_SIZE)}))
         assert metric_sum(kit.serve(a, prompts)[1], "vllm:external_prefix_cache_hits_total") > 0
         b.start()
         out, delta = kit.serve(b, prompts)
-        assert out == reference_outputs
+        assert out == truth
         assert metric_sum(delta, kit.PREFIX + "lookup_miss_tokens_total") > 0  # it looked
         assert metric_sum(delta, "vllm:external_prefix_cache_hits_total") == 0
     finally:

@@ -113,7 +113,7 @@ def test_suite_times_table_is_a_whole_recorded_run(tmp_path):
     if committed is not None:
         assert sorted(p for p in committed["parts"] if p.startswith("phase")) == [
             "phase 1: unit + store + deploy (xdist)", "phase 1b: unit on vLLM 0.33",
-            "phase 2: e2e + helm smoke (serial)"], \
+            "phase 2a: e2e timed (serial)", "phase 2b: e2e side by side (2 workers)"], \
             "docs/suite-times.json is not one whole run: record it with RECORD_SUITE_TIMES=1"
     part = {"wall_s": 600.0, "tests": 300, "engine_starts": 2, "engine_start_s": 60.0,
             "starts_per_file": {"tests/e2e/test_a.py": 2},

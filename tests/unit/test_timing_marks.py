@@ -1,0 +1,56 @@
+"""Every engine test file says whether its assertions depend on time (tests/conftest.py):
+scripts/test.sh runs `timed` files alone on the machine and `side_by_side` files two at a
+time, so a file that says neither is refused at collection, naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests import conftest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Item:
+    nodeid: str
+    marks: list[str] = field(default_factory=list)
+
+    def iter_markers(self):
+        return (SimpleNamespace(name=name) for name in self.marks)
+
+
+def test_every_engine_file_declares_its_timing():
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                          "--collect-only", "-q", "tests/e2e", "tests/deploy/test_helm_smoke.py"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("marks", [[], ["timed", "side_by_side"]])
+def test_an_engine_file_without_exactly_one_timing_mark_is_refused(marks):
+    items = [Item("tests/e2e/test_new.py::test_a", marks), Item("tests/unit/test_x.py::test_b"),
+             Item("tests/e2e/test_ok.py::test_c", ["timed"])]
+    with pytest.raises(pytest.UsageError) as e:
+        conftest.pytest_collection_modifyitems(None, items)
+    assert str(e.value).startswith("tests/e2e/test_new.py: mark the file with exactly one of")
+    assert "test_ok.py" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_side_by_side_workers_bind_their_engines_to_a_core_each(monkeypatch):
+    monkeypatch.setenv("PIN_ENGINES_PER_WORKER", "1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setattr(conftest.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    conftest.pin_engines_to_worker_core()
+    assert conftest.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    monkeypatch.setenv("PIN_ENGINES_PER_WORKER", "0")  # any other phase: vLLM's choice
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    conftest.pin_engines_to_worker_core()
+    assert conftest.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
