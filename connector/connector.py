@@ -164,6 +164,10 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             kv_on_host=getattr(vllm_config.device_config, "device_type", "cpu") == "cpu",
             zeroes_blocks=getattr(kv_cache_config, "needs_kv_cache_zeroing", False),
             groups=self.groups, layout_order=_interior_order(vllm_config))
+        if tp_size > 1:
+            from connector.worker.rank_agreement import tp_any_rank
+
+            self.worker.any_rank = tp_any_rank()
         self._trace(self.worker, tp_rank, "worker")
         if self._event_settings is not None and self.config.enable_save:
             from connector.observability.kv_events import WorkerLanded

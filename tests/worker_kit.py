@@ -100,7 +100,8 @@ def settled_saves(worker, keys: int, timeout: float = 10.0) -> dict[str, float]:
     c: dict[str, float] = defaultdict(float)
 
     def settled() -> float:
-        return sum(c[f"{f}|0"] for f in ("save_keys", "save_skipped_keys", "save_error_keys"))
+        return sum(c[f"{f}|{worker.tp_rank}"]
+                   for f in ("save_keys", "save_skipped_keys", "save_error_keys"))
 
     deadline = time.monotonic() + timeout
     while settled() < keys:

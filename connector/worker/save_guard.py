@@ -9,9 +9,12 @@ rest of its prompt. When it fails, vLLM discards that request's output and recom
   `recompute`, does not evict them when the load fails, so another request of the same step may
   take them as a local prefix hit and compute, then save, its own blocks on them. Its KV stays
   wrong for its whole life (later chunks attend to it).
-So once an in-step load fails, every request scheduled in that step (`in_step_peers`) is
-tainted: none of its saves is made, then or later, until vLLM reports it finished. Loads
-are what is rare here, and a dropped save costs only a future hit.
+- at TP > 1 the failing rank's unfilled heads reach every rank's hidden states through the
+  attention output's all-reduce, so the other ranks' KV of that step is computed on them too.
+So once an in-step load fails on any TP rank (the ranks agree: `rank_agreement`), every
+request scheduled in that step (`in_step_peers`) is tainted on every rank: none of its saves
+is made, then or later, until vLLM reports it finished. Loads are what is rare here, and a
+dropped save costs only a future hit.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ from connector.store.groups import ONE_FULL, GroupSpec
 from connector.store.keys import KeyBuilder, layout_signature
 from connector.worker.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.worker.ledger import RequestLedger
+from connector.worker.rank_agreement import AnyRank, lone_rank
 from connector.worker.recv_pool import TIMEOUT, RecvPool, Ticket
 from connector.worker.save_guard import UNSAFE_CODE, SaveGuard
 from connector.worker.staging import BlockStager, ranged_get
@@ -197,6 +198,9 @@ class MooncakeStoreWorker:
         ) if config.sync_load_ms > 0 else None
         self._in_step: set[str] = set()  # in-step loads: never reported in finished_recving
         self.save_guard = SaveGuard()  # no save of a request a failed in-step load may taint
+        # Whether any TP rank's in-step load failed this step (rank_agreement): the connector
+        # sets vLLM's TP group at TP > 1.
+        self.any_rank: AnyRank = lone_rank
         self._early_start = config.load_early_start and not zeroes_blocks
         self._early_meta: StepMetadata | None = None  # whose async loads begin_step queued
         self.load_clock = LoadClock()  # where a store hit's TTFT goes (ttft)
@@ -376,13 +380,18 @@ class MooncakeStoreWorker:
         ends only once no job can still copy (the watchdog lets a copy under way finish)."""
         ids = {t.req_id for t in transfers}
         self._in_step |= ids
-        self._queue_loads(transfers, self.step_pool or self.pool, time.perf_counter())
-        while not self.ledger.wait_loaded(ids, step_deadline_s(self.config) + 1.0):
-            logger.warning("an in-step load is still running past its deadline (a copy into "
-                           "the KV cache under way?); the step waits for it")
-        failed = self.ledger.failed_of(ids)
-        if failed:  # this step's forward may read blocks the load did not fill
-            self.save_guard.load_failed(peers, failed)
+        failed: set[str] = set(ids)  # unless the wait below says otherwise
+        try:
+            self._queue_loads(transfers, self.step_pool or self.pool, time.perf_counter())
+            while not self.ledger.wait_loaded(ids, step_deadline_s(self.config) + 1.0):
+                logger.warning("an in-step load is still running past its deadline (a copy "
+                               "into the KV cache under way?); the step waits for it")
+            failed = self.ledger.failed_of(ids)
+        finally:
+            # This step's forward may read blocks a load did not fill, on this rank or, through
+            # the TP all-reduce, on another: every rank taints the step (rank_agreement).
+            if self.any_rank(bool(failed)):
+                self.save_guard.load_failed(peers, failed)
         self.load_clock.reported(ids, time.perf_counter(), in_step=True)
 
     def start_save(self, meta: StepMetadata) -> None:
