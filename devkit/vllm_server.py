@@ -263,17 +263,30 @@ class VllmServer:
             raw = r.read()
         return json.loads(raw) if raw else None
 
+    def _greedy(self, prompt_ids: list[int], max_tokens: int, cache_salt: str | None
+                ) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return body
+
     def complete(self, prompt_ids: list[int], max_tokens: int = 8,
                  cache_salt: str | None = None) -> Completion:
         """Greedy completion of a token-id prompt; returns the generated token ids. A
         `cache_salt` (vLLM's per-request field) changes every block hash of the request: no
         local prefix-cache or store block of another salt matches it."""
-        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
-                "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        out = self.post("/v1/completions", body)
+        out = self.post("/v1/completions", self._greedy(prompt_ids, max_tokens, cache_salt))
         return Completion(out["choices"][0]["token_ids"], self.dtype)
+
+    def logprobs(self, prompt_ids: list[int], max_tokens: int = 8,
+                 cache_salt: str | None = None) -> tuple[Completion, list[float]]:
+        """A greedy completion and each generated token's log-probability: finer than the
+        tokens, so KV that is wrong but not enough to move a greedy token still shows."""
+        body = {**self._greedy(prompt_ids, max_tokens, cache_salt), "logprobs": 1}
+        choice = self.post("/v1/completions", body)["choices"][0]
+        return (Completion(choice["token_ids"], self.dtype),
+                [float(x) for x in choice["logprobs"]["token_logprobs"]])
 
     def reset_prefix_cache(self, wait_s: float = 60.0) -> bool:
         """Drop vLLM's local prefix cache. vLLM refuses while any block is held, and the

@@ -217,14 +217,20 @@ def in_process_config(cluster, ha_etcd, **overrides) -> dict:
                                 **overrides)
 
 
-@pytest.fixture(scope="session")
-def store_client(master):
-    """A plain Mooncake client, for tests that inspect or tamper with the store."""
+def plain_client(master: MooncakeMaster):
+    """A plain Mooncake client of `master`'s store (close it when done)."""
     from mooncake.store import MooncakeDistributedStore
 
     client = MooncakeDistributedStore()
     assert client.setup(HOST, master.metadata_server, 0, 64 * 2**20, "tcp", "",
                         master.address) == 0
+    return client
+
+
+@pytest.fixture(scope="session")
+def store_client(master):
+    """A plain Mooncake client, for tests that inspect or tamper with the store."""
+    client = plain_client(master)
     yield client
     client.close()
 
@@ -247,16 +253,16 @@ _JUNK = np.full(1 << 20, 0x5A, dtype=np.uint8)  # bigger than any block: a get r
 
 
 def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int],
-                      group: int = 0) -> list[str]:
+                      group: int = 0, shard: int = 0, shards: int = 1) -> list[str]:
     """The store keys of `prompt`'s full blocks as `server` saved them in KV cache group
-    `group` (a full-attention one), once all exist (the save thread writes after the response
-    returns)."""
+    `group` (a full-attention one), store shard `shard` of `shards` (store_tp_size), once all
+    exist (the save thread writes after the response returns)."""
     from connector.store.keys import _slug
 
     text = "\n".join(server.metrics())
     fingerprint = re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',
                             text).group(1)
-    keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/g{group}s0of1/{h.hex()}"
+    keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/g{group}s{shard}of{shards}/{h.hex()}"
             for h in block_hashes(prompt)]
     deadline = time.monotonic() + 120  # the saves of a busy 2-core host
     while (exist := client.batch_is_exist(keys)) != [1] * len(keys):
@@ -268,10 +274,11 @@ def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int]
 
 
 def corrupt_stored_block(server: VllmServer, client, prefix: str, prompt: list[int],
-                         index: int, group: int = 0) -> str:
-    """Replace the stored object of one block of `prompt` with one of the wrong size, so the
-    scheduler's lookup still hits but the worker's load fails with -600."""
-    key = stored_block_keys(server, client, prefix, prompt, group)[index]
+                         index: int, group: int = 0, shard: int = 0, shards: int = 1) -> str:
+    """Replace the stored object of one block of `prompt` (store shard `shard` of `shards`)
+    with one of the wrong size, so the scheduler's lookup still hits but the load of the
+    rank that reads that shard fails with -600."""
+    key = stored_block_keys(server, client, prefix, prompt, group, shard, shards)[index]
     assert client.remove(key, True) == 0
     client.register_buffer(_JUNK.ctypes.data, _JUNK.nbytes)  # idempotent across calls
     assert client.batch_put_from([key], [_JUNK.ctypes.data], [_JUNK.nbytes]) == [0]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from devkit.vllm_server import Completion, VllmServer, metric_sum
 
@@ -35,18 +37,28 @@ def tp_env(tp: int) -> dict[str, str]:
     return dict(TP2_ENV) if tp > 1 else {}
 
 
-def salted(server: VllmServer, prompts: list[list[int]], max_tokens: int = 8
-           ) -> list[Completion]:
-    """Greedy outputs `server` computes from scratch, one prompt after another, each under a
-    cache salt of its own; AssertionError if any token came from vLLM's prefix cache or from
-    the store (then it is no reference)."""
+def salt() -> str:
+    """A cache salt no other request has."""
+    return f"ref-{uuid.uuid4().hex}"
+
+
+@contextmanager
+def from_scratch(server: VllmServer) -> Iterator[None]:
+    """The requests sent to `server` inside take no cached token (vLLM's prefix cache, the
+    store): AssertionError at the end if one did (then they are no reference)."""
     before = server.metrics()
-    out = [server.complete(p, max_tokens, cache_salt=f"ref-{uuid.uuid4().hex}")
-           for p in prompts]
+    yield
     after = server.metrics()
     hits = {c: metric_sum(after, c) - metric_sum(before, c) for c in HIT_COUNTERS}
     assert not any(hits.values()), f"a salted reference took cached tokens: {hits}"
-    return out
+
+
+def salted(server: VllmServer, prompts: list[list[int]], max_tokens: int = 8
+           ) -> list[Completion]:
+    """Greedy outputs `server` computes from scratch, one prompt after another, each under a
+    cache salt of its own (`from_scratch` checks it)."""
+    with from_scratch(server):
+        return [server.complete(p, max_tokens, cache_salt=salt()) for p in prompts]
 
 
 class References:
