@@ -646,7 +646,8 @@ def _suite_targets(parts: dict[str, Any]) -> str:
         out.append(f"Target: the whole command within {SUITE_TARGET_MIN:g} minutes on 2 cores: "
                    f"**{'met' if wall <= SUITE_TARGET_MIN else 'missed'}** ({wall:.1f} min, "
                    f"of which {starts:.1f} min starting engines); the goal of "
-                   f"{SUITE_GOAL_MIN:g} minutes: **{'met' if wall <= SUITE_GOAL_MIN else 'missed'}**.")
+                   f"{SUITE_GOAL_MIN:g} minutes: "
+                   f"**{'met' if wall <= SUITE_GOAL_MIN else 'missed'}**.")
     fast = [p for name, p in parts.items() if name.startswith("fast")]
     if fast:
         wall = fast[0]["wall_s"] / 60
