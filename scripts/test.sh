@@ -66,7 +66,8 @@ fi
 phase "phase 1: unit + store + deploy (xdist)" "${WORKERS[@]}" tests/unit tests/store \
   tests/deploy --ignore "$SMOKE" ${args[@]+"${args[@]}"}
 # The unit tier once more against vLLM 0.33's sources, the version the image ships (~25 s).
-RECORD_SUITE_TIMES=${RECORD_SUITE_TIMES:+"phase 1b: unit on vLLM 0.33"} scripts/unit_033.sh -q -p tests.suite_times
+RECORD_SUITE_TIMES=${RECORD_SUITE_TIMES:+"phase 1b: unit on vLLM 0.33"} scripts/unit_033.sh -q \
+  -p tests.suite_times ${args[@]+"${args[@]}"}
 phase "phase 2a: e2e timed (serial)" -m timed tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
 PIN_ENGINES_PER_WORKER=1 phase "phase 2b: e2e side by side (2 workers)" -n 2 --dist loadfile \
   -m side_by_side tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
