@@ -371,6 +371,8 @@ class RecvPool(Generic[J]):
         bound (its own call, not its job's queue time): replace it if the bound allows."""
         if ticket.slot is None or self._owner[ticket.slot] is not holder:
             return
+        if self._closing:  # a fresh thread would take a queued job past close()'s count
+            return
         if self.stuck >= self.max_stuck:
             logger.warning("%s: a call has run past the %.1fs bound and %d stuck threads "
                            "already wait for their calls; its slot waits too", self._name,
@@ -411,6 +413,8 @@ class RecvPool(Generic[J]):
                 t.state = EXPIRED
             self._jobs.clear()
             self._work.notify_all()
+            # and every thread started since (a replacement spawned before close began)
+            threads += [t for t in self._threads if t not in threads]
         for t in queued:
             self._expire_now(t.job, "shutdown", None)
         deadline = time.monotonic() + timeout

@@ -403,3 +403,29 @@ def test_close_fails_queued_jobs_at_once_and_returns_the_stuck_threads():
     release.set()
     stuck[0].join(2)
     assert not stuck[0].is_alive()
+
+
+def test_close_returns_every_thread_inside_a_call_and_starts_none_while_draining():
+    """A call stuck past the bound while the pool drains at shutdown: no fresh thread takes
+    the queued job (it fails: its deadline passes in the drain), and every thread still inside
+    a call is among those close() returns (the caller closes the store client only once they
+    have returned)."""
+    rec, release = Recorder(), threading.Event()
+    inside: set[threading.Thread] = set()
+
+    def handler(job, slot, ticket):
+        inside.add(threading.current_thread())
+        release.wait()
+
+    pool = RecvPool(1, handler, deadline_s=0.2, on_expire=rec.expire)
+    pool.submit(0)
+    wait_until(lambda: pool.inflight[0] == 1)
+    time.sleep(0.1)
+    pool.submit(1)  # queued, within its deadline when the stuck thread is retired
+    busy = pool.close(0.1, drain=1.0)
+    try:
+        assert inside <= set(busy), (inside, busy)
+        assert len(inside) == 1 and pool.replaced == 0
+        assert [j for j, _ in rec.expired] == [0, 1]
+    finally:
+        release.set()
