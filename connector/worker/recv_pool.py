@@ -72,6 +72,18 @@ class Ticket(Generic[J]):
             self.state = to
             return True
 
+    def alive(self) -> bool:
+        """Whether the job may make another store call: running, not dropped, and its
+        deadline not passed (then it expires here, reported once, as in `touching`)."""
+        with self._lock:
+            ok = self.state == RUNNING
+            late = ok and bool(self.deadline) and time.monotonic() >= self.deadline
+            if late:
+                self.state, ok = EXPIRED, False
+        if late:
+            self._expired_here(TIMEOUT)
+        return ok
+
     @contextlib.contextmanager
     def touching(self) -> Iterator[bool]:
         """Yields True if the job may read or write memory vLLM owns (it has not expired, was

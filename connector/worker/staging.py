@@ -123,18 +123,21 @@ class BlockStager:
                     dst[idx, a:b] = view.index_select(0, blocks)
 
     def get(self, client: Any, keys: list[str], units: list[int],
-            touching: Callable[[], AbstractContextManager[bool]], per_call: int = 0
-            ) -> list[int]:
+            touching: Callable[[], AbstractContextManager[bool]], per_call: int = 0,
+            alive: Callable[[], bool] = lambda: True) -> list[int]:
         """Get into the buffer a buffer-full (or `per_call` units, if fewer) at a time and
         scatter the units that arrived whole; per-key results as the store's multi-buffer get
         returns them.
 
         `touching()` guards each scatter (the only write into the KV cache): when it yields
-        False the job has expired, its blocks belong to vLLM again, and the get stops."""
+        False the job has expired, its blocks belong to vLLM again, and the get stops.
+        `alive()` is asked before each further call: none starts past the job's deadline."""
         results: list[int] = []
         offsets = self.plan.src_offsets
         step = min(self.capacity, per_call) if per_call else self.capacity
         for i in range(0, len(keys), step):
+            if i and not alive():
+                return results
             n = min(step, len(keys) - i)
             if offsets is None:
                 res = client.batch_get_into(keys[i:i + n], self.addresses[:n], self.sizes[:n])

@@ -72,3 +72,37 @@ def test_byte_aligned_regions_use_a_narrow_word():
     st.gather([5])
     st.scatter([6])
     assert caches["l0"][6].tolist() == [1, 2, 3]
+
+
+def test_a_chunked_get_makes_no_call_past_the_jobs_deadline():
+    """Three buffer-fulls to get; the deadline passes after the first one is scattered. No
+    second call starts (before: the second get ran, then its scatter was refused: one store
+    call past the bound)."""
+    import contextlib
+    import threading
+    import time
+
+    from connector.worker.recv_pool import RUNNING, Ticket
+
+    regions = compute_regions(layouts()["blocks_dim0"], NB)
+    st = BlockStager(regions, NB, 2 * regions.block_bytes)
+    expired: list[str] = []
+    ticket = Ticket("job", time.monotonic() + 0.05, threading.Lock(),
+                    lambda t, reason: expired.append(reason))
+    ticket.state = RUNNING
+    calls: list[int] = []
+
+    class Client:
+        def batch_get_into(self, keys, addrs, sizes):
+            calls.append(len(keys))
+            return [regions.block_bytes] * len(keys)
+
+    @contextlib.contextmanager
+    def touching():
+        with ticket.touching() as ok:
+            yield ok
+        time.sleep(0.1)  # the deadline passes once the first buffer-full is in place
+
+    results = st.get(Client(), [f"k{i}" for i in range(6)], list(range(6)), touching,
+                     alive=ticket.alive)
+    assert calls == [2] and len(results) == 2 and expired == ["timeout"]
