@@ -256,9 +256,11 @@ KEYS: tuple[Key, ...] = (
     Key("kv_events_medium", "text", "STORAGE", "the `medium` of the store's events (vLLM's "
         "`MEDIUM_STORAGE`; the in-tree store connector says `cpu`)",
         pattern=r"[A-Za-z][A-Za-z0-9_]{0,31}", fix="a tier name such as STORAGE or CPU"),
-    Key("kv_events_locality", "choice", "remote", "the `locality` of the store's events: "
-        "`remote` (the shared store, not this engine's KV cache), `local`, or `none` (unset)",
-        choices=("remote", "local", "none"), fix="'remote', 'local' or 'none'"),
+    Key("kv_events_locality", "choice", "none", "the `locality` of the store's events: "
+        "`none` (unset: what Dynamo's KV indexer takes; it drops any event whose locality is "
+        "neither unset nor LOCAL), `local`, or `remote` (the shared store, not this engine's "
+        "KV cache: for a router that reads it)",
+        choices=("none", "local", "remote"), fix="'none', 'local' or 'remote'"),
     Key("kv_events_sweep_s", "float", 5.0, "seconds between sweeps that ask the master's "
         "HTTP admin port which announced blocks are still stored (a `BlockRemoved` for each "
         "one gone); 0: removals only from lookups that miss an announced block", lo=0,

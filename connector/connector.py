@@ -27,6 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import DEFAULT_TENANT, ConfigError, load_config
 from connector.metadata import StepMetadata, WorkerReport
+from connector.observability.kv_events import vllm_clears
 from connector.observability.stats import PooledStoreStats
 from connector.plugin import register
 from connector.scheduler.load_failures import apply_policy, per_request
@@ -186,11 +187,15 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if st is None or not sched.saves:
             return
         from connector.observability.kv_events import StoreEventLog
+        from connector.scheduler.engine_wakeup import EngineWakeup
 
         self.kv_events = sched.kv_events = StoreEventLog(
             st, self.keys.layout.tp_size, self._vllm_config.cache_config.block_size,
             lambda hashes, g: sched._keys.all_shard_keys(hashes, g), self.keys.layout.shards,
-            sched.recorder.count, _spec_kinds(kv_cache_config))
+            sched.recorder.count, _spec_kinds(kv_cache_config), EngineWakeup.find().wake)
+        if st.sweep_off:
+            sched.recorder.count("kv_events_sweeps", "off")
+            logger.warning("PooledMooncakeStoreConnector: %s", st.sweep_off)
         self.kv_events.start()
         logger.info("PooledMooncakeStoreConnector: store KV events on (medium %s, locality %s, "
                     "%s)", st.medium, st.locality, f"sweep of {st.master_http} every "
@@ -243,6 +248,8 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self.kv_events is not None and vllm_clears(self.scheduler.block_pool):
+            self.kv_events.cleared()  # announced again right after vLLM's AllBlocksCleared
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -253,6 +260,13 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             landed = getattr(connector_output, "kv_cache_events", None)
             if isinstance(landed, LandedShards):
                 self.kv_events.landed(landed.get_all_events())
+            for rid in connector_output.finished_sending or ():  # after their last reports
+                self.kv_events.settled(rid)
+
+    def has_pending_push_work(self) -> bool:
+        """Store events wait for vLLM's publisher: an idle engine steps to hand them over."""
+        return self.scheduler is not None and self.kv_events is not None and \
+            self.kv_events.pending()
 
     def take_events(self) -> Any:
         """The store's KV events for vLLM's publisher (connector.observability.kv_events)."""
@@ -331,6 +345,8 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- both ------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self.worker or self.scheduler
+        if self.scheduler is not None and self.kv_events is not None:
+            self.kv_events.counted()  # the events taken so far are in this snapshot
         return side.recorder.snapshot() if side is not None else None
 
     def shutdown(self) -> None:

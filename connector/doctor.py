@@ -278,6 +278,57 @@ def check_round_trip(ctx: Context) -> str:
             f"{(time.monotonic() - t0) * 1000:.0f} ms (client setup included)")
 
 
+# Dynamo's KV indexer (ai-dynamo-runtime 1.6.1, lib/kv-router zmq_wire/convert.rs): the tier
+# it files an event's medium under (case-sensitive; any other medium is dropped).
+DYNAMO_TIERS = {"GPU": "device", "CPU": "host", "CPU_TIER2": "disk", "DISK": "disk",
+                "NVME": "disk", "STORAGE": "disk", "EXTERNAL": "external",
+                "NETWORK": "external", "REMOTE": "external", "SHARED": "external"}
+
+
+def router_fit(medium: str, locality: str | None) -> str:
+    """What the routers of docs/kv-events.md do with events of this medium and locality."""
+    tier = DYNAMO_TIERS.get(medium)
+    if locality not in (None, "LOCAL"):
+        dynamo = (f"Dynamo's indexer drops every one (locality {locality}); set "
+                  "kv_events_locality: none")
+    elif tier is None:
+        dynamo = (f"Dynamo's indexer drops every one (unknown medium {medium!r}); set "
+                  "kv_events_medium: STORAGE")
+    else:
+        dynamo = f"Dynamo's indexer files them under its {tier} tier"
+    return (f"{dynamo}; llm-d's scorer keeps them as tier {medium.lower()!r} (its weight: "
+            "1.0 unless configured)")
+
+
+def check_kv_events(ctx: Context) -> str:
+    """The store's KV events: what routers make of them, and whether the sweep's address
+    answers (a sweep that never does leaves removals to lookups alone)."""
+    from types import SimpleNamespace
+
+    from connector.observability.kv_events import event_settings, query_keys
+
+    vllm_on = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint=None,
+                              replay_endpoint=None)
+    try:
+        st = event_settings(ctx.cfg, vllm_on)
+    except ConfigError as e:
+        raise CheckFailed(str(e)) from None
+    locality = st.locality or "unset"
+    fit = f"medium {st.medium}, locality {locality}: {router_fit(st.medium, st.locality)}"
+    if st.sweep_off:
+        return f"{fit}; no sweep: {st.sweep_off}"
+    if not st.sweep_s:
+        return f"{fit}; no sweep (kv_events_sweep_s 0): removals come from lookups only"
+    try:
+        query_keys(st.master_http, ["__mcpool_doctor__"], timeout=ctx.wait)
+    except Exception as e:  # noqa: BLE001 - any failure is the sweep's failure
+        raise CheckFailed(f"{fit}; the sweep's address {st.master_http} does not answer "
+                          f"/batch_query_keys ({e})",
+                          "set kv_events_master_http to the master's host:port of "
+                          "--metrics_port that engines reach, or kv_events_sweep_s to 0") from None
+    return f"{fit}; the sweep's address {st.master_http} answers"
+
+
 CHECKS: list[Check] = [
     Check("config", check_config),
     Check("master", check_master, needs=("config",)),
@@ -288,6 +339,8 @@ CHECKS: list[Check] = [
     Check("disk tier", check_disk_tier, needs=("master",),
           applies=lambda ctx: ctx.cfg.enable_offload),
     Check("round trip", check_round_trip, needs=("master",)),
+    Check("kv events", check_kv_events, needs=("master",),
+          applies=lambda ctx: ctx.cfg.kv_events == "on"),
 ]
 
 

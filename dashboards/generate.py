@@ -320,11 +320,20 @@ def kv_events_row() -> Row:
     events are off by default."""
     return Row("KV events for routers", (
         P("Store KV events published", "ops", (
-            (rate(series("kv_events"), "kind"), "{{kind}}"),
-        ), "BlockStored (every TP rank's shards of a block are in the store) and BlockRemoved "
-           "(an announced block left the store) events per second, into vLLM's KV event "
-           "stream. Removed far below stored while the store is full: removals are missed "
-           "(is the sweep on?).", min=0),
+            (rate(series("kv_events"), "kind, medium, locality"),
+             "{{kind}} ({{medium}}, locality {{locality}})"),
+        ), "BlockStored (every TP rank's shards of a block are in the store, or this engine "
+           "found it there) and BlockRemoved (an announced block left the store) events per "
+           "second, into vLLM's KV event stream, with the medium and locality they carry: a "
+           "router drops what it does not take (Dynamo: any locality but unset or LOCAL). "
+           "Removed far below stored while the store is full: removals are missed (is the "
+           "sweep on?).", min=0),
+        P("Removal sweeps", "ops", (
+            (rate(series("kv_events_sweeps"), "result"), "{{result}}"),
+        ), "Rounds of the sweep that asks the master which announced blocks are still stored: "
+           "ok, error (the master's HTTP admin port did not answer; removals then come from "
+           "lookups only), off (counted once at startup: the sweep cannot work with this "
+           "tenant or HA setup). Runbook: MooncakePoolKvEventSweepFailing.", min=0),
         P("BlockRemoved by source", "ops", (
             (rate(series("kv_events_removals"), "source"), "{{source}}"),
         ), "What found each block gone: sweep (the periodic master query), lookup (a scheduler "

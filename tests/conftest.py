@@ -252,18 +252,30 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
 _JUNK = np.full(1 << 20, 0x5A, dtype=np.uint8)  # bigger than any block: a get returns -600
 
 
+def layout_fingerprint(server: VllmServer) -> str:
+    """The key-namespace fingerprint `server` reports on /metrics (layout_info)."""
+    text = "\n".join(server.metrics())
+    return re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',
+                     text).group(1)
+
+
+def store_keys(server: VllmServer, prefix: str, prompt: list[int], group: int = 0,
+               shard: int = 0, shards: int = 1, fingerprint: str = "") -> list[str]:
+    """The store keys `server` saves `prompt`'s full blocks under (KV cache group `group`, store
+    shard `shard` of `shards`), with its layout fingerprint (asked of it unless given)."""
+    from connector.store.keys import _slug
+
+    fp = fingerprint or layout_fingerprint(server)
+    return [f"{prefix}/{_slug(server.model)}/{fp}/g{group}s{shard}of{shards}/{h.hex()}"
+            for h in block_hashes(prompt)]
+
+
 def stored_block_keys(server: VllmServer, client, prefix: str, prompt: list[int],
                       group: int = 0, shard: int = 0, shards: int = 1) -> list[str]:
     """The store keys of `prompt`'s full blocks as `server` saved them in KV cache group
     `group` (a full-attention one), store shard `shard` of `shards` (store_tp_size), once all
     exist (the save thread writes after the response returns)."""
-    from connector.store.keys import _slug
-
-    text = "\n".join(server.metrics())
-    fingerprint = re.search(r'mooncake_pool_layout_info\{[^}]*fingerprint="([0-9a-f]+)"',
-                            text).group(1)
-    keys = [f"{prefix}/{_slug(server.model)}/{fingerprint}/g{group}s{shard}of{shards}/{h.hex()}"
-            for h in block_hashes(prompt)]
+    keys = store_keys(server, prefix, prompt, group, shard, shards)
     deadline = time.monotonic() + 120  # the saves of a busy 2-core host
     while (exist := client.batch_is_exist(keys)) != [1] * len(keys):
         assert time.monotonic() < deadline, (

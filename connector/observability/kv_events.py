@@ -28,18 +28,25 @@ step or a save: workers only append to a deque, the sweep runs on its own thread
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import threading
 import time
 import urllib.parse
-import urllib.request
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 
 from connector.config import EXTRA, ConfigError, ConnectorConfig
 
@@ -60,6 +67,8 @@ class EventSettings:
     master_http: str  # host:port of the master's HTTP admin port ("" without a sweep)
     queue: int
     max_live: int
+    sweep_off: str = ""  # why the sweep is off though kv_events_sweep_s asked for one
+
 
 
 def event_settings(config: ConnectorConfig, kv_events_config: Any) -> EventSettings | None:
@@ -85,22 +94,31 @@ def event_settings(config: ConnectorConfig, kv_events_config: Any) -> EventSetti
             raise ConfigError(
                 f"--kv-events-config.{name}: {ep!r} is not a ZMQ endpoint; use "
                 "tcp://*:5557 (or ipc://...)")
-    sweep_s, http = config.kv_events_sweep_s, config.kv_events_master_http
+    sweep_s, http, off = config.kv_events_sweep_s, config.kv_events_master_http, ""
+    # A sweep that cannot work is turned off, not the engine: removals then come from lookups
+    # alone (an upgrade must not stop a deployment that served before the sweep existed).
     if sweep_s > 0 and config.store.tenant_id != "default":
-        raise ConfigError(
-            f"{EXTRA}.kv_events_sweep_s: the master's HTTP key query sees only the default "
-            f"tenant, not tenant_id {config.store.tenant_id!r}; set kv_events_sweep_s to 0 "
-            "(removals then come from lookups only)")
-    if sweep_s > 0 and not http:
-        if config.store.ha:
-            raise ConfigError(
-                f"{EXTRA}.kv_events_master_http: an HA master group has no fixed admin "
-                "address; set it to the masters' service host:port of --metrics_port, or "
-                "kv_events_sweep_s to 0")
+        off = (f"{EXTRA}.kv_events_sweep_s: the master's HTTP key query sees only the default "
+               f"tenant, not tenant_id {config.store.tenant_id!r}: no sweep, removals come "
+               "from lookups only; set kv_events_sweep_s to 0 to say so")
+    elif sweep_s > 0 and not http and config.store.ha:
+        off = (f"{EXTRA}.kv_events_master_http: an HA master group has no fixed admin "
+               "address: no sweep, removals come from lookups only; set it to the masters' "
+               "service host:port of --metrics_port, or kv_events_sweep_s to 0")
+    elif sweep_s > 0 and not http:
         http = f"{config.store.master_server_address.rsplit(':', 1)[0]}:{MASTER_HTTP_PORT}"
+    if off:
+        sweep_s = 0.0
     locality = None if config.kv_events_locality == "none" else config.kv_events_locality.upper()
     return EventSettings(config.kv_events_medium, locality, sweep_s, http if sweep_s else "",
-                         config.kv_events_queue, config.kv_events_max_live)
+                         config.kv_events_queue, config.kv_events_max_live, off)
+
+
+def vllm_clears(pool: Any) -> bool:
+    """Whether vLLM has queued `AllBlocksCleared` (its prefix cache was reset) for its next
+    publish: the block pool's event queue (`BlockPool.kv_event_queue`, vLLM 0.32 and 0.33)
+    holds it until the step's `update_from_output` takes it, after the step's metadata."""
+    return any(isinstance(e, AllBlocksCleared) for e in getattr(pool, "kv_event_queue", ()))
 
 
 def external_hash(h: bytes) -> Any:
@@ -170,55 +188,94 @@ class WorkerLanded:
 
 
 # ---- scheduler -------------------------------------------------------------------------------
-@dataclass
-class _Planned:
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """What a `BlockStored` says of a block, kept while it is announced so it can be said again
+    (after vLLM's `AllBlocksCleared`): the tokens as a compact array."""
+
     parent: bytes | None
-    token_ids: list[int]
+    token_ids: array
     extra_keys: Any
     lora_name: str | None
+
+
+@dataclass(slots=True)
+class _Planned:
+    block: _Block
+    req_id: str
     ranks: set[int]
+
+
+# The KV cache group kinds whose blocks are announced: every router indexes these. A
+# sliding-window group's blocks are not: its store blocks serve only beside the full group's,
+# and a router that keys a store block by hash alone would let the window's removals (it keeps
+# only its window) erase the full group's credit for the same hash.
+ANNOUNCED_KINDS = (None, "full_attention", "mla_attention")
 
 
 class StoreEventLog:
     """The scheduler's store events: planned saves, blocks announced live, the event queue, and
-    the sweep thread. Thread-safe: lookups and the sweep call in from their own threads."""
+    the sweep thread. Thread-safe: lookups and the sweep call in from their own threads.
+
+    What this engine announces is its own view of the store (docs/kv-events.md, "Many engines
+    on one store"): the blocks it wrote, found stored when it saved, or loaded; each is
+    withdrawn once a query made after the announcement finds it gone. A router keeps each
+    engine's view apart and credits a block while any engine's view holds it."""
 
     def __init__(self, settings: EventSettings, tp_size: int, block_size: int,
                  keys: Callable[[Sequence[bytes], int], list[str]], shards: int,
                  count: Callable[..., None],
-                 spec_kinds: Sequence[tuple[str | None, int | None]] = ()) -> None:
+                 spec_kinds: Sequence[tuple[str | None, int | None]] = (),
+                 wake: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
         self._tp_size, self._block_size = tp_size, block_size
         self._keys, self._shards, self._count = keys, shards, count
         self._spec = tuple(spec_kinds)
+        self._wake = wake
         self._lock = threading.Lock()
         self._planned: OrderedDict[tuple[int, bytes], _Planned] = OrderedDict()
-        self._live: OrderedDict[tuple[int, bytes], float] = OrderedDict()  # -> announced at
+        # announced blocks -> (when the store was last seen holding it, what was announced)
+        self._live: OrderedDict[tuple[int, bytes], tuple[float, _Block]] = OrderedDict()
         self._queue: deque[tuple[str, KVCacheEvent]] = deque()
+        self._repeat: deque[tuple[int, bytes]] = deque()  # live blocks to announce again
+        self._uncounted = False  # events taken whose count no stats collection has shipped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sweep_failing = False
 
+    def _announced(self, group: int) -> bool:
+        kind = self._spec[group][0] if group < len(self._spec) else None
+        return kind in ANNOUNCED_KINDS
+
+    def _block(self, request: Any, i: int) -> _Block:
+        bs, lora = self._block_size, getattr(request, "lora_request", None)
+        return _Block(request.block_hashes[i - 1] if i > 0 else None,
+                      array("q", request.all_token_ids[i * bs:(i + 1) * bs]),
+                      _extra_keys(request, i * bs, (i + 1) * bs), lora.name if lora else None)
+
     # -- stored
     def planned(self, request: Any, indices: Sequence[int], group: int) -> None:
-        """A save of blocks `indices` of `request` (group `group`) goes to the workers."""
-        hashes, bs = request.block_hashes, self._block_size
-        lora = getattr(request, "lora_request", None)
-        entries = []
-        for i in indices:
-            entries.append(((group, hashes[i]), _Planned(
-                hashes[i - 1] if i > 0 else None, list(request.all_token_ids[i * bs:(i + 1) * bs]),
-                _extra_keys(request, i * bs, (i + 1) * bs), lora.name if lora else None,
-                set())))
+        """A save of blocks `indices` of `request` (group `group`) goes to the workers: a new
+        attempt, whose ranks report afresh (an earlier attempt's ranks may have lost theirs)."""
+        if not self._announced(group):
+            return
+        entries = [((group, request.block_hashes[i]),
+                    _Planned(self._block(request, i), request.request_id, set()))
+                   for i in indices]
         with self._lock:
             for key, p in entries:
-                if key in self._planned:
-                    self._planned.move_to_end(key)
-                    continue
+                self._planned.pop(key, None)
                 self._planned[key] = p
             while len(self._planned) > self.settings.queue:
                 self._planned.popitem(last=False)
                 self._count("kv_events_dropped", "stored")
+
+    def settled(self, req_id: str) -> None:
+        """Every rank finished `req_id`'s saves: its blocks that not every rank reported were
+        not stored (each failure is counted in save_error_keys), and are never announced."""
+        with self._lock:
+            for key in [k for k, p in self._planned.items() if p.req_id == req_id]:
+                del self._planned[key]
 
     def landed(self, records: Iterable[tuple[int, int, bytes]]) -> None:
         """Workers' reports: a block whose every rank reported is stored."""
@@ -228,31 +285,56 @@ class StoreEventLog:
                 key = (group, h)
                 p = self._planned.get(key)
                 if p is None:
-                    continue  # announced already (a repeat), or dropped above
+                    continue  # announced already (a repeat), settled, or dropped above
                 p.ranks.add(rank)
                 if len(p.ranks) < self._tp_size:
                     continue
                 del self._planned[key]
-                if key in self._live:  # stored again (or skipped): still live, confirmed now
-                    self._live[key] = now
-                    self._live.move_to_end(key)
-                    continue
-                if self._push("stored", self._stored_event(group, h, p)):
-                    self._live[key] = now
-            while len(self._live) > self.settings.max_live:
-                (group, h), _ = self._live.popitem(last=False)
-                self._count("kv_events_removals", "live_limit")
-                self._push("removed", self._removed_event(group, h))
+                self._announce(key, p.block, now)
+            self._trim()
 
-    def _stored_event(self, group: int, h: bytes, p: _Planned) -> BlockStored:
+    def loaded(self, request: Any, indices: Sequence[int], group: int, seen: float) -> None:
+        """This engine loads blocks `indices` of `request`, which a lookup started at `seen`
+        (perf_counter) found stored: the store holds them for this engine too."""
+        if not self._announced(group):
+            return
+        blocks = [((group, request.block_hashes[i]), i) for i in indices]
+        with self._lock:
+            for key, i in blocks:
+                if key not in self._live:
+                    self._announce(key, self._block(request, i), seen)
+            self._trim()
+
+    def _announce(self, key: tuple[int, bytes], block: _Block, seen: float) -> None:
+        """(Under the lock.) The store holds `key`: live from `seen` on, announced if new."""
+        if key in self._live:  # stored again (or skipped): still live, confirmed now
+            self._live[key] = (max(seen, self._live[key][0]), self._live[key][1])
+            self._live.move_to_end(key)
+        elif self._push("stored", self._stored_event(key[0], key[1], block)):
+            self._live[key] = (seen, block)
+
+    def _trim(self) -> None:
+        while len(self._live) > self.settings.max_live:
+            (group, h), _ = self._live.popitem(last=False)
+            self._count("kv_events_removals", "live_limit")
+            self._push("removed", self._removed_event(group, h))
+
+    def _stored_event(self, group: int, h: bytes, b: _Block) -> BlockStored:
         kind, window = self._spec[group] if group < len(self._spec) else (None, None)
         return BlockStored(
             block_hashes=[external_hash(h)],
-            parent_block_hash=external_hash(p.parent) if p.parent is not None else None,
-            token_ids=p.token_ids, block_size=self._block_size, lora_id=None,
-            medium=self.settings.medium, lora_name=p.lora_name, extra_keys=p.extra_keys,
+            parent_block_hash=external_hash(b.parent) if b.parent is not None else None,
+            token_ids=b.token_ids.tolist(), block_size=self._block_size, lora_id=None,
+            medium=self.settings.medium, lora_name=b.lora_name, extra_keys=b.extra_keys,
             group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
             locality=self.settings.locality)
+
+    def cleared(self) -> None:
+        """vLLM is about to publish `AllBlocksCleared` for this engine (its prefix cache was
+        reset), which routers apply to every tier, the store's included: announce every live
+        block again after it, a queue's worth per step (`take`)."""
+        with self._lock:
+            self._repeat = deque(self._live)
 
     # -- removed
     def _removed_event(self, group: int, h: bytes) -> BlockRemoved:
@@ -261,17 +343,21 @@ class StoreEventLog:
 
     def missing(self, blocks: Iterable[tuple[int, bytes]], source: str, before: float) -> int:
         """Blocks a store query found gone: each one announced before `before` (the query's
-        start, perf_counter) is announced removed. Returns how many."""
+        start, perf_counter) is announced removed. Returns how many. A removal the full queue
+        cannot take stays live, for the next query to find again."""
         n = 0
         with self._lock:
             for key in blocks:
-                t = self._live.get(key)
-                if t is None or t >= before:
+                seen = self._live.get(key)
+                if seen is None or seen[0] >= before:
                     continue
+                if not self._push("removed", self._removed_event(*key)):
+                    break
                 del self._live[key]
                 n += 1
                 self._count("kv_events_removals", source)
-                self._push("removed", self._removed_event(*key))
+        if n:
+            self._wake()  # an idle engine publishes them now, not at its next request
         return n
 
     def live(self) -> list[tuple[int, bytes]]:
@@ -287,12 +373,30 @@ class StoreEventLog:
         self._queue.append((kind, ev))
         return True
 
+    def pending(self) -> bool:
+        """Events wait for vLLM, or the count of events it took waits for the next step's
+        stats (`has_pending_push_work`: the engine steps until both went out). vLLM collects
+        a step's connector stats before it takes the step's events, so an idle engine would
+        otherwise report its last events on /metrics only with its next request."""
+        return bool(self._queue or self._repeat or self._uncounted)
+
+    def counted(self) -> None:
+        """The connector's stats are being collected: every event taken so far is counted."""
+        self._uncounted = False
+
     def take(self) -> list[KVCacheEvent]:
-        """The queued events, for vLLM's publisher (each step)."""
+        """The queued events, for vLLM's publisher (each step); then announcements repeated
+        after a cache reset, as many as the queue holds."""
         with self._lock:
-            if not self._queue:
-                return []
             queued, self._queue = list(self._queue), deque()
+            while self._repeat and len(queued) < self.settings.queue:
+                key = self._repeat.popleft()
+                live = self._live.get(key)
+                if live is not None:
+                    queued.append(("stored", self._stored_event(key[0], key[1], live[1])))
+        if not queued:
+            return []
+        self._uncounted = True
         for kind in ("stored", "removed"):
             n = sum(1 for k, _ in queued if k == kind)
             if n:
@@ -307,33 +411,45 @@ class StoreEventLog:
             self._thread.start()
 
     def _sweep_loop(self) -> None:
+        client = MasterKeys(self.settings.master_http,
+                            timeout=max(1.0, min(10.0, self.settings.sweep_s)))
         while not self._stop.wait(self.settings.sweep_s):
             try:
-                self.sweep()
+                self.sweep(client)
+                self._count("kv_events_sweeps", "ok")
                 if self._sweep_failing:
                     self._sweep_failing = False
                     logger.info("KV event sweep: the master's HTTP port answers again")
             except Exception as e:  # noqa: BLE001 - a failed round removes nothing; next one
+                self._count("kv_events_sweeps", "error")
                 if not self._sweep_failing:
                     self._sweep_failing = True
                     logger.warning("KV event sweep of %s failed (%s); removals wait for it "
-                                   "(lookups still report them)", self.settings.master_http, e)
+                                   "(lookups still report them; kv_events_sweeps_total"
+                                   "{result=\"error\"} counts the rounds)",
+                                   self.settings.master_http, e)
+        client.close()
 
-    def sweep(self) -> int:
+    def sweep(self, client: MasterKeys | None = None) -> int:
         """One round over every live block, in batches; returns the blocks announced removed.
         A batch whose query fails raises (nothing is removed on a guess)."""
+        own = client is None
+        client = client or MasterKeys(self.settings.master_http)
         blocks, removed = self.live(), 0
-        for i in range(0, len(blocks), SWEEP_BATCH):
-            if self._stop.is_set():
-                break
-            batch = blocks[i:i + SWEEP_BATCH]
-            keys = [self._keys([h], g) for g, h in batch]
-            t0 = time.perf_counter()
-            present = query_keys(self.settings.master_http, [k for ks in keys for k in ks],
-                                 timeout=max(1.0, min(10.0, self.settings.sweep_s)))
-            gone = [b for b, ks in zip(batch, keys, strict=True)
-                    if not all(present.get(k, False) for k in ks)]
-            removed += self.missing(gone, "sweep", t0)
+        try:
+            for i in range(0, len(blocks), SWEEP_BATCH):
+                if self._stop.is_set():
+                    break
+                batch = blocks[i:i + SWEEP_BATCH]
+                keys = [self._keys([h], g) for g, h in batch]
+                t0 = time.perf_counter()
+                present = client.query([k for ks in keys for k in ks])
+                gone = [b for b, ks in zip(batch, keys, strict=True)
+                        if not all(present.get(k, False) for k in ks)]
+                removed += self.missing(gone, "sweep", t0)
+        finally:
+            if own:
+                client.close()
         return removed
 
     def shutdown(self, timeout: float = 2.0) -> None:
@@ -342,19 +458,51 @@ class StoreEventLog:
             self._thread.join(timeout)
 
 
-def query_keys(master_http: str, keys: Sequence[str], timeout: float = 5.0) -> dict[str, bool]:
+class MasterKeys:
     """Which keys the master holds a complete replica of (memory or disk), from its HTTP admin
-    port's /batch_query_keys (grants no lease). Raises on any failure."""
-    url = (f"http://{master_http}/batch_query_keys?keys="
-           + urllib.parse.quote(",".join(keys), safe=""))
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - operator's address
-        body = json.loads(r.read())
-    if not body.get("success"):
-        raise RuntimeError(f"batch_query_keys answered {str(body)[:200]}")
-    data = body.get("data") or {}
-    return {k: bool(v.get("ok") and (v.get("values") or v.get("disk_values")
-                                     or v.get("local_disk_values")))
-            for k, v in data.items()}
+    port's /batch_query_keys (grants no lease), over one kept-alive connection. Raises on any
+    failure (and reconnects on the next query)."""
+
+    def __init__(self, master_http: str, timeout: float = 5.0) -> None:
+        host, _, port = master_http.rpartition(":")
+        self._host, self._port, self._timeout = host, int(port), timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    def query(self, keys: Sequence[str]) -> dict[str, bool]:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self._host, self._port,
+                                                    timeout=self._timeout)
+        try:
+            self._conn.request("GET", "/batch_query_keys?keys="
+                               + urllib.parse.quote(",".join(keys), safe=""))
+            resp = self._conn.getresponse()
+            raw = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"batch_query_keys answered HTTP {resp.status}")
+        except Exception:
+            self.close()
+            raise
+        body = json.loads(raw)
+        if not body.get("success"):
+            raise RuntimeError(f"batch_query_keys answered {str(body)[:200]}")
+        data = body.get("data") or {}
+        return {k: bool(v.get("ok") and (v.get("values") or v.get("disk_values")
+                                         or v.get("local_disk_values")))
+                for k, v in data.items()}
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def query_keys(master_http: str, keys: Sequence[str], timeout: float = 5.0) -> dict[str, bool]:
+    """One query of `MasterKeys` on a connection of its own."""
+    client = MasterKeys(master_http, timeout)
+    try:
+        return client.query(keys)
+    finally:
+        client.close()
 
 
 def _extra_keys(request: Any, start: int, end: int) -> Any:

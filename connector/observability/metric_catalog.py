@@ -48,7 +48,7 @@ class Family:
         return tuple(label for label in self.labels if label not in CONFIG_LABELS)
 
 
-CONFIG_LABELS = ("cache_prefix", "tenant")
+CONFIG_LABELS = ("cache_prefix", "tenant", "medium", "locality")
 
 
 _T = ("tp_rank", "thread")
@@ -146,10 +146,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("load_tier_bytes", "counter", ("tp_rank", "tier", "tenant"), "Bytes loaded from the store, by the tier that held them.",
            "What bandwidth does each tier deliver?"),
     # KV events for routers (kv_events on: connector/observability/kv_events.py, docs/kv-events.md).
-    Family("kv_events", "counter", ("kind",), "Store KV events published into vLLM's KV event stream, by kind: stored (BlockStored: every TP rank's shards of the block are in the store) or removed (BlockRemoved: an announced block left the store).",
+    Family("kv_events", "counter", ("kind", "medium", "locality"), "Store KV events published into vLLM's KV event stream, by kind: stored (BlockStored: every TP rank's shards of the block are in the store, or this engine found it there) or removed (BlockRemoved: an announced block left the store); medium and locality are what the events carry (kv_events_medium, kv_events_locality: none is unset), which decide whether a router takes them.",
            "Does the router hear of the store's blocks, and of the ones it loses?"),
     Family("kv_events_dropped", "counter", ("kind",), "Store KV events dropped because a bounded queue was full, by kind: stored, removed, or landed (a worker's report of a saved block, so its BlockStored never came); none is ever waited for.",
            "Does the router's view of the store have holes?"),
+    Family("kv_events_sweeps", "counter", ("result",), "Rounds of the removal sweep (the query of the master's HTTP admin port for the announced blocks), by result: ok, error (the master's port did not answer, or answered garbage: removals then come from lookups only until a round succeeds), off (counted once at startup: the sweep cannot work here, a tenant other than default or an HA group without kv_events_master_http).",
+           "Are removals found while the engine is idle, or only when a lookup misses?"),
     Family("kv_events_removals", "counter", ("source",), "BlockRemoved events by what found the block gone: sweep (the periodic query of the master), lookup (a scheduler lookup missed it), live_limit (kv_events_max_live reached: the oldest announced block is withdrawn).",
            "Which path detects the store's evictions?"),
 )
@@ -169,6 +171,7 @@ TTFT_PHASES = ("lookup", "admit", "load_start", "load_queue", "load_transfer", "
 TTFT_MODES = ("async", "sync")
 KV_EVENT_KINDS = ("stored", "removed", "landed")
 KV_REMOVAL_SOURCES = ("sweep", "lookup", "live_limit")
+KV_SWEEP_RESULTS = ("ok", "error", "off")
 # (op, code) pairs a deployment can meet (codes from connector.store.client: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job
 # pools' watchdog, exception, abandoned, short_read, other).
@@ -191,6 +194,7 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     keys += [f"kv_events|{k}" for k in KV_EVENT_KINDS[:2]]
     keys += [f"kv_events_dropped|{k}" for k in KV_EVENT_KINDS]
     keys += [f"kv_events_removals|{s}" for s in KV_REMOVAL_SOURCES]
+    keys += [f"kv_events_sweeps|{r}" for r in KV_SWEEP_RESULTS]
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"save_error_keys|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",

@@ -62,7 +62,9 @@ class PooledStorePromMetrics(KVConnectorPromMetrics):
         cfg = _config(vllm_config)
         self._config_labels = {
             "cache_prefix": cfg.cache_prefix if cfg else ConnectorConfig.cache_prefix,
-            "tenant": cfg.store.tenant_id if cfg else DEFAULT_TENANT}
+            "tenant": cfg.store.tenant_id if cfg else DEFAULT_TENANT,
+            "medium": cfg.kv_events_medium if cfg else ConnectorConfig.kv_events_medium,
+            "locality": cfg.kv_events_locality if cfg else ConnectorConfig.kv_events_locality}
         self._exemplars = isinstance(self._histogram_cls, type) and \
             issubclass(self._histogram_cls, Histogram)  # Ray's wrappers take no exemplar
         tp_size = getattr(getattr(vllm_config, "parallel_config", None),

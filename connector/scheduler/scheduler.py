@@ -98,6 +98,7 @@ class MooncakeStoreScheduler:
         self._lookups: dict[str, _Lookup] = {}
         self._abandoned: list[cf.Future] = []  # timed out or finished while running
         self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
+        self._seen: dict[str, float] = {}  # req_id -> when its lookup began (perf_counter)
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
         self._sync_loads: list[BlockTransfer] = []  # loads the step waits for (step_loads)
@@ -224,6 +225,7 @@ class MooncakeStoreScheduler:
             hit_tokens, event = lk.future.result(timeout=wait)
             self.events.lookup(event)  # counted when used, so a timed-out one counts once
             self.clock.answered(rid, event.t_end)
+            self._seen[rid] = lk.started  # the store held the hit when the lookup began
             return hit_tokens
         except cf.TimeoutError:
             if time.perf_counter() - lk.started < self.config.lookup_timeout_s:
@@ -306,6 +308,8 @@ class MooncakeStoreScheduler:
                     (self._sync_loads if sync else self._loads).append(BlockTransfer(
                         rid, tuple(ids[i] for i in sel),
                         tuple(request.block_hashes[i] for i in sel), g))
+                    if self.kv_events is not None:  # the store holds them for this engine too
+                        self.kv_events.loaded(request, sel, g, self._seen.get(rid, 0.0))
             if not sync:
                 self._loading.add(rid)
         if self._save and rid not in self._tracked:
@@ -317,6 +321,7 @@ class MooncakeStoreScheduler:
         for rid in preempted:
             self._tracked.pop(rid, None)
             self._hits.pop(rid, None)
+            self._seen.pop(rid, None)
             self.clock.forget(rid)
             self._unpin(rid)  # handle_preemptions waits for its saves before the next forward
         for new in so.scheduled_new_reqs:
@@ -384,6 +389,11 @@ class MooncakeStoreScheduler:
         self._pool = pool
 
     @property
+    def block_pool(self) -> Any:
+        """vLLM's block pool (None until vLLM binds it)."""
+        return self._pool
+
+    @property
     def _null(self) -> int:
         """vLLM's null block (padding for blocks a sliding-window group has freed)."""
         return self._pool.null_block.block_id if self._pool is not None else 0
@@ -427,6 +437,7 @@ class MooncakeStoreScheduler:
         """
         rid = request.request_id
         self._hits.pop(rid, None)
+        self._seen.pop(rid, None)
         self._tracked.pop(rid, None)
         self._sync.pop(rid, None)
         self.clock.forget(rid)

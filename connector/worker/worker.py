@@ -125,11 +125,12 @@ def step_deadline_s(config: ConnectorConfig) -> float:
 
 def _landed(hashes: Sequence[bytes], exists: Sequence[int], new: Sequence[int],
             results: Sequence[int], per: int) -> tuple[bytes, ...]:
-    """The blocks whose `per` keys (block-major) were all found stored or written (-705:
-    another writer stored it meanwhile); every block when this rank writes no shard."""
+    """The blocks whose `per` keys (block-major) were all found stored or written; every
+    block when this rank writes no shard. Not one whose put met -705 (another writer's put of
+    the key still in progress): it is not readable yet, and that writer announces it."""
     ok = [e == 1 for e in exists]
     for i, r in zip(new, results, strict=False):  # results is short when the put never ran
-        ok[i] = r in (0, -705)
+        ok[i] = r == 0
     return tuple(h for b, h in enumerate(hashes) if all(ok[b * per:(b + 1) * per]))
 
 
@@ -531,7 +532,8 @@ class MooncakeStoreWorker:
                 if self.config.tier_metrics:
                     key_tiers = [replica_tier(descriptors.get(k)) for k in keys]
             if stager:
-                results = stager.get(client, keys, units, ticket.touching, self._disk_chunk)
+                results = stager.get(client, keys, units, ticket.touching, self._disk_chunk,
+                                     ticket.alive)
             else:  # zero-copy: the call itself writes into the KV blocks
                 results = self._get_multi_buffers(client, keys, addrs, plan, ticket)
             want, per = plan.block_bytes, plan.pieces

@@ -32,6 +32,7 @@ EXPECTED_ALERTS = {
     "MooncakePoolNoSuccessfulStoreOps",
     "MooncakePoolMasterUnreachable",
     "MooncakePoolStoreCallsStuck",
+    "MooncakePoolKvEventSweepFailing",
     "MooncakePoolTenantPutsRefused",
     "MooncakeMasterNoServingLeader",
     "MooncakeMasterStandbyNotFollowing",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from devkit.local_cluster import HOST, free_port
 from devkit.vllm_server import BLOCK_SIZE, VllmServer
@@ -21,7 +21,9 @@ from devkit.vllm_server import BLOCK_SIZE, VllmServer
 @dataclass
 class Topic:
     """What one engine announced, as a router following it would keep it: by KV cache group
-    and hash (the groups of a hybrid model announce the same block hash each)."""
+    and hash (the groups of a hybrid model announce the same block hash each). vLLM's
+    `AllBlocksCleared` (its prefix cache reset) empties it, as Dynamo and llm-d empty every
+    tier of that engine; `clears` holds the index in `stored` at which each came."""
 
     stored: list[BlockStored] = field(default_factory=list)
     removed: list[BlockRemoved] = field(default_factory=list)
@@ -29,6 +31,11 @@ class Topic:
     max_live: int = 0
     violations: list[str] = field(default_factory=list)
     other_media: Counter = field(default_factory=Counter)
+    clears: list[int] = field(default_factory=list)
+
+    def before_clear(self) -> list[BlockStored]:
+        """The BlockStored events before the first AllBlocksCleared."""
+        return self.stored[:self.clears[0]] if self.clears else list(self.stored)
 
 
 class Subscriber:
@@ -60,6 +67,10 @@ class Subscriber:
     @staticmethod
     def _apply(t: Topic, batch: KVEventBatch) -> None:
         for ev in batch.events:
+            if isinstance(ev, AllBlocksCleared):
+                t.clears.append(len(t.stored))
+                t.live.clear()
+                continue
             if getattr(ev, "medium", None) != "STORAGE":
                 t.other_media[getattr(ev, "medium", type(ev).__name__)] += 1
                 continue
@@ -89,19 +100,19 @@ class Subscriber:
         with self._lock:
             t = self.topics.get(topic, Topic())
             return Topic(list(t.stored), list(t.removed), set(t.live), t.max_live,
-                         list(t.violations), Counter(t.other_media))
+                         list(t.violations), Counter(t.other_media), list(t.clears))
 
-    def wait(self, topic: str, until, what: str, poke: VllmServer, timeout: float = 90.0,
-             interval: float = 0.25) -> Topic:
-        """Until `until(view)`, poking the engine: vLLM takes a connector's events only in an
-        engine step, so what the sweep finds while the engine is idle waits for its next
-        request (docs/kv-events.md)."""
+    def wait(self, topic: str, until, what: str, poke: VllmServer | None,
+             timeout: float = 90.0, interval: float = 0.25) -> Topic:
+        """Until `until(view)`, poking the engine (with None, leaving it idle: what the
+        connector found meanwhile must reach the router all the same)."""
         deadline = time.monotonic() + timeout
         while not until(t := self.view(topic)):
             assert time.monotonic() < deadline, (
                 f"{what}: not seen in {timeout:.0f}s; stored {len(t.stored)}, removed "
                 f"{len(t.removed)}, live {len(t.live)}, other media {dict(t.other_media)}")
-            poked(poke)
+            if poke is not None:
+                poked(poke)
             time.sleep(interval)
         return t
 

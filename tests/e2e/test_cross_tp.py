@@ -15,7 +15,8 @@ half of it.
 
 The TP=2 engine also publishes the store's KV events (`--kv-events-config`, ZMQ) to a
 subscriber decoding with vLLM's `KVEventBatch`: each block it fills is announced once, though
-every rank wrote its own part of it (docs/kv-events.md), in every layout.
+every rank wrote its own part of it (docs/kv-events.md), in every layout, and announced again
+after vLLM's AllBlocksCleared (a prefix cache reset).
 
 TP=2 on this 2-core host: `VLLM_CPU_OMP_THREADS_BIND=0|1` (one core per rank). Each rank's
 main thread busy-waits on vLLM's shared-memory step queue (it spins for a second after each
@@ -49,7 +50,7 @@ from devkit.local_cluster import local_pool
 from devkit.tiny_model import make_tiny_llama, make_tiny_mla
 from devkit.vllm_server import VllmServer, connector_kv_config, engine_block_size, metric_sum
 from tests.conftest import engine_extra
-from tests.e2e.kv_events_kit import Subscriber, Topic, blocks_of
+from tests.e2e.kv_events_kit import Subscriber, blocks_of
 from tests.engines import TP_START_TIMEOUT_S, salted, tp_args, tp_env
 
 pytestmark = pytest.mark.side_by_side
@@ -122,41 +123,48 @@ FULL_KINDS = ("full_attention", "mla_attention")  # groups that keep every block
 
 def check_one_event_per_block(sub: Subscriber, topic: str, server: VllmServer,
                               prompts: list[list[int]]) -> None:
-    """Every block the TP=2 engine filled is announced once per KV cache group that stores
-    it, whichever rank wrote which part: every full block in each full-attention group (the
-    sliding group of the hybrid model stores only its window), nothing twice, nothing else."""
+    """Every block the TP=2 engine filled is announced once per full-attention KV cache group,
+    whichever rank wrote which part: every full block, nothing twice, nothing else, and no
+    sliding-window group (docs/kv-events.md). Then the engine's prefix cache is reset: vLLM's
+    AllBlocksCleared empties a router's view of this engine, and the connector announces every
+    block again right after it."""
     bs = engine_block_size(server.model)  # the connector's blocks, and events, are vLLM's
     want = blocks_of(prompts, bs)
 
-    def full_groups(t: Topic) -> dict[int, list[tuple[int, ...]]]:
+    def full_groups(events: list) -> dict[int, list[tuple[int, ...]]]:
         groups: dict[int, list[tuple[int, ...]]] = {}
-        for e in t.stored:
+        for e in events:
             if e.kv_cache_spec_kind in FULL_KINDS:
                 groups.setdefault(e.group_idx, []).append(tuple(e.token_ids))
         return groups
 
-    t = sub.wait(topic, lambda t: bool(full_groups(t)) and all(
-        len(v) >= len(want) for v in full_groups(t).values()),
+    t = sub.wait(topic, lambda t: bool(full_groups(t.stored)) and all(
+        len(v) >= len(want) for v in full_groups(t.stored).values()),
         f"a BlockStored per filled block ({len(want)})", server)
+    live = t.live
     server.reset_prefix_cache()  # every save stored: the last reports come in the next steps
 
     def published() -> float:
         return metric_sum(server.metrics(), "vllm:mooncake_pool_kv_events_total", kind="stored")
 
     # vLLM's publisher and its stats reach the subscriber and /metrics on their own paths:
-    # wait (poking the engine) until both tell the same count.
-    t = sub.wait(topic, lambda t: published() == len(t.stored), "every event counted arrived",
-                 server)
-    kinds = {(e.group_idx, e.kv_cache_spec_kind) for e in t.stored}
-    print(f"{topic}: {len(t.stored)} BlockStored for {len(want)} blocks, groups {kinds}")
+    # wait (poking the engine) until both tell the same count, and the reset's AllBlocksCleared
+    # and the announcements after it arrived.
+    t = sub.wait(topic, lambda t: bool(t.clears) and published() == len(t.stored)
+                 and t.live == live, "every event counted arrived, and the store's blocks "
+                 "announced again after the reset", server)
+    first = t.before_clear()
+    kinds = {(e.group_idx, e.kv_cache_spec_kind) for e in first}
+    print(f"{topic}: {len(first)} BlockStored for {len(want)} blocks, groups {kinds}; "
+          f"{len(t.stored) - len(first)} again after the reset")
     assert t.violations == [] and t.removed == [], (t.violations[:5], t.removed[:5])
-    for blocks in full_groups(t).values():
+    assert all(e.kv_cache_spec_kind in FULL_KINDS for e in t.stored), kinds
+    for blocks in full_groups(first).values():
         assert sorted(blocks) == sorted(want)  # each block once, though both ranks wrote
-    announced = [(e.group_idx, e.block_hashes[0]) for e in t.stored]
+    announced = [(e.group_idx, e.block_hashes[0]) for e in first]
     assert len(set(announced)) == len(announced)
     assert {tuple(e.token_ids) for e in t.stored} <= set(want)
-    assert all((e.medium, e.locality, e.block_size) == ("STORAGE", "REMOTE", bs)
-               for e in t.stored)
+    assert all((e.medium, e.locality, e.block_size) == ("STORAGE", None, bs) for e in t.stored)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

@@ -23,7 +23,8 @@ from devkit.processes import HOST
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_NAMES = ("config", "master", "segments", "protocol", "round trip")
-OPTIONAL_CHECKS = ("tenant", "disk tier")  # only when the config names a tenant, a disk tier
+# only when the config names a tenant, a disk tier, store KV events
+OPTIONAL_CHECKS = ("tenant", "disk tier", "kv events")
 
 
 def doctor(master, tmp_path: Path, *args: str, metrics_port: int | None = None,
@@ -272,3 +273,30 @@ def test_disk_tier_mounted_or_missing(tenant_pool, pool, tmp_path):
         "FAIL enable_offload is set, but no store node has a disk tier mounted"), lines
     assert "disk tier" not in doctor(pool[0], tmp_path)[1]  # not asked for: not checked
 
+
+
+def test_kv_events_say_what_routers_take_and_whether_the_sweep_answers(pool, tmp_path):
+    """With store KV events on: the medium and locality, what Dynamo's indexer and llm-d's
+    scorer make of them, and a query of the sweep's address (the master's admin port)."""
+    master, _ = pool
+    http = f"{HOST}:{master.metrics_port}"
+
+    def events(**keys) -> tuple[int, dict[str, str]]:
+        extra = {"kv_events": "on", "kv_events_master_http": http, **keys}
+        return doctor(master, tmp_path, "--kv-transfer-config",
+                      json.dumps({"kv_connector_extra_config": extra}))
+
+    rc, lines = events()
+    assert rc == 0 and lines["kv events"].startswith("PASS"), lines
+    assert "locality unset: Dynamo's indexer files them under its disk tier" in \
+        lines["kv events"] and f"the sweep's address {http} answers" in lines["kv events"]
+    rc, lines = events(kv_events_locality="remote")
+    assert rc == 0 and "Dynamo's indexer drops every one (locality REMOTE)" in \
+        lines["kv events"], lines
+    wrong = f"{HOST}:{free_port()}"
+    rc, lines = events(kv_events_master_http=wrong)
+    assert rc == 1 and lines["kv events"].startswith("FAIL"), lines
+    assert f"the sweep's address {wrong} does not answer" in lines["kv events"]
+    assert "fix: set kv_events_master_http" in lines["kv events"]
+    rc, lines = events(tenant_id="team-a")
+    assert "no sweep: kv_connector_extra_config.kv_events_sweep_s" in lines["kv events"], lines

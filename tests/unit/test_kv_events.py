@@ -4,6 +4,7 @@ drops, and one-line errors for configurations that cannot work."""
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import Counter
 from dataclasses import replace
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 from vllm.config.kv_events import KVEventsConfig
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from connector.config import ConfigError, load_config
 from connector.observability.kv_events import (
@@ -22,7 +23,9 @@ from connector.observability.kv_events import (
     WorkerLanded,
     event_settings,
     external_hash,
+    vllm_clears,
 )
+from connector.scheduler.engine_wakeup import EngineWakeup
 from connector.worker.worker import _landed
 
 BASE = {"master_server_address": "10.1.2.3:50051",
@@ -32,7 +35,7 @@ ON = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp:
 
 
 def settings(**kw) -> EventSettings:
-    return replace(EventSettings("STORAGE", "REMOTE", 0.0, "", 100, 1000), **kw)
+    return replace(EventSettings("STORAGE", None, 0.0, "", 100, 1000), **kw)
 
 
 def request(n_blocks: int, rid: str = "r") -> SimpleNamespace:
@@ -50,10 +53,11 @@ class Counts:
         self.c[(family, *labels)] += n
 
 
-def log(tp: int = 1, **kw) -> tuple[StoreEventLog, Counts]:
+def log(tp: int = 1, spec=(("full_attention", None),), wake=lambda: None,
+        **kw) -> tuple[StoreEventLog, Counts]:
     counts = Counts()
     return StoreEventLog(settings(**kw), tp, BS, lambda hs, g: [h.hex() for h in hs], 1,
-                         counts, (("full_attention", None),)), counts
+                         counts, spec, wake), counts
 
 
 def roundtrip(events: list) -> list:
@@ -74,7 +78,7 @@ def test_block_stored_in_vllms_schema():
         assert e.block_hashes == [external_hash(req.block_hashes[i])]
         assert e.parent_block_hash == (external_hash(req.block_hashes[i - 1]) if i else None)
         assert e.token_ids == req.all_token_ids[i * BS:(i + 1) * BS]
-        assert (e.block_size, e.group_idx, e.medium, e.locality) == (BS, 0, "STORAGE", "REMOTE")
+        assert (e.block_size, e.group_idx, e.medium, e.locality) == (BS, 0, "STORAGE", None)
         assert e.kv_cache_spec_kind == "full_attention"
     assert counts.c[("kv_events", "stored")] == 3
     assert ev_log.take() == []
@@ -123,7 +127,7 @@ def test_removed_only_for_blocks_announced_before_the_query():
     assert ev_log.missing([(0, req.block_hashes[0])], "sweep", time.perf_counter()) == 1
     (ev,) = roundtrip(ev_log.take())
     assert isinstance(ev, BlockRemoved) and ev.block_hashes == [external_hash(req.block_hashes[0])]
-    assert (ev.medium, ev.locality, ev.group_idx) == ("STORAGE", "REMOTE", 0)
+    assert (ev.medium, ev.locality, ev.group_idx) == ("STORAGE", None, 0)
     assert counts.c[("kv_events_removals", "sweep")] == 1
     assert counts.c[("kv_events", "removed")] == 1
     assert ev_log.live() == []
@@ -180,10 +184,12 @@ def test_worker_records_are_bounded():
 
 
 def test_worker_landed_needs_every_shard_of_the_rank():
-    hashes = [b"a", b"b", b"c"]
-    # 2 shards per block: a's found stored, b's second put failed, c's written (-705 too).
-    exists = [1, 1, 0, 0, 0, 0]
-    assert _landed(hashes, exists, [2, 3, 4, 5], [0, -200, 0, -705], 2) == (b"a", b"c")
+    hashes = [b"a", b"b", b"c", b"d"]
+    # 2 shards per block: a's found stored, b's second put failed, c's written, and d's second
+    # put met -705 (another writer's put of it still in progress: not readable yet).
+    exists = [1, 1, 0, 0, 0, 0, 0, 0]
+    assert _landed(hashes, exists, [2, 3, 4, 5, 6, 7], [0, -200, 0, 0, 0, -705], 2) == (
+        b"a", b"c")
     assert _landed(hashes, exists, [2, 3, 4, 5], [], 2) == (b"a",)  # the put never ran
     assert _landed(hashes, [], [], [], 0) == tuple(hashes)  # this rank writes no shard
 
@@ -199,12 +205,12 @@ def test_settings_follow_vllms_kv_events_config():
     assert event_settings(cfg(kv_events="off"), ON) is None
     assert event_settings(cfg(), KVEventsConfig(enable_kv_cache_events=True,
                                                 publisher="null")) is None
-    s = event_settings(cfg(), ON)
-    assert (s.medium, s.locality, s.sweep_s, s.master_http) == ("STORAGE", "REMOTE", 5.0,
+    s = event_settings(cfg(), ON)  # what Dynamo's indexer takes: locality unset
+    assert (s.medium, s.locality, s.sweep_s, s.master_http) == ("STORAGE", None, 5.0,
                                                                "10.1.2.3:9003")
-    s = event_settings(cfg(kv_events_locality="none", kv_events_medium="CPU",
+    s = event_settings(cfg(kv_events_locality="remote", kv_events_medium="CPU",
                            kv_events_sweep_s=0, kv_events_master_http="m:1"), ON)
-    assert (s.medium, s.locality, s.sweep_s, s.master_http) == ("CPU", None, 0, "")
+    assert (s.medium, s.locality, s.sweep_s, s.master_http) == ("CPU", "REMOTE", 0, "")
 
 
 @pytest.mark.parametrize("extra, kec, field", [
@@ -214,8 +220,6 @@ def test_settings_follow_vllms_kv_events_config():
      "--kv-events-config.publisher"),
     ({}, KVEventsConfig(enable_kv_cache_events=True, endpoint="localhost:5557"),
      "--kv-events-config.endpoint"),
-    ({"tenant_id": "team-a"}, ON, "kv_events_sweep_s"),
-    ({"master_server_address": "etcd://10.0.0.1:2379"}, ON, "kv_events_master_http"),
 ])
 def test_broken_combinations_name_the_field(extra, kec, field):
     with pytest.raises(ConfigError) as e:
@@ -237,7 +241,21 @@ def test_bad_values_name_the_key(key, value):
 
 def test_tenant_without_sweep_is_fine():
     s = event_settings(cfg(tenant_id="team-a", kv_events_sweep_s=0), ON)
-    assert s is not None and s.sweep_s == 0
+    assert s is not None and s.sweep_s == 0 and s.sweep_off == ""
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+@pytest.mark.parametrize("extra, field", [
+    ({"tenant_id": "team-a"}, "kv_events_sweep_s"),
+    ({"master_server_address": "etcd://10.0.0.1:2379"}, "kv_events_master_http"),
+])
+def test_a_sweep_that_cannot_work_falls_back_to_lookups_with_the_field_named(mode, extra, field):
+    """An engine that served before the sweep existed (a tenant, an HA group without the
+    masters' admin address) keeps serving with events: no sweep, removals from lookups, and a
+    one-line reason naming the field (logged, and counted as kv_events_sweeps{result="off"})."""
+    s = event_settings(cfg(kv_events=mode, **extra), ON)
+    assert s is not None and s.sweep_s == 0 and s.master_http == ""
+    assert field in s.sweep_off and "lookups" in s.sweep_off and "\n" not in s.sweep_off
 
 
 @pytest.mark.parametrize("key", ["kv_event", "kv_events_sweep", "kv_events_endpoint"])
@@ -247,3 +265,146 @@ def test_unknown_events_key_is_one_line_naming_it(key):
         cfg(**{key: "on"})
     msg = str(e.value)
     assert f"'{key}'" in msg and "unknown key" in msg and "\n" not in msg, msg
+
+
+def test_a_new_save_attempt_counts_its_ranks_afresh():
+    """A block whose first save landed on rank 0 only is saved again: only the new attempt's
+    reports count (rank 0's shard of the first may be gone since), so rank 1 landing alone
+    announces nothing."""
+    ev_log, _ = log(tp=2)
+    req = request(1)
+    ev_log.planned(req, [0], 0)
+    ev_log.landed([(0, 0, req.block_hashes[0])])  # rank 1's put failed
+    ev_log.planned(req, [0], 0)  # the next turn saves it again
+    ev_log.landed([(1, 0, req.block_hashes[0])])
+    assert ev_log.take() == []
+    ev_log.landed([(0, 0, req.block_hashes[0])])
+    assert len(ev_log.take()) == 1
+
+
+def test_a_settled_request_leaves_nothing_planned_and_no_drop_counted():
+    ev_log, counts = log(tp=2, queue=16)
+    req = request(4)
+    ev_log.planned(req, range(4), 0)
+    ev_log.landed([(0, 0, h) for h in req.block_hashes])  # rank 1 failed every put
+    ev_log.settled("r")  # every rank finished its saves
+    ev_log.planned(request(16, "bb"), range(16), 0)  # planned at its bound, not past it
+    assert counts.c[("kv_events_dropped", "stored")] == 0
+    ev_log.landed([(1, 0, h) for h in req.block_hashes])  # a late report: nothing planned
+    assert ev_log.take() == []
+
+
+def test_a_full_queue_keeps_a_removal_for_the_next_query():
+    ev_log, counts = log(queue=16, max_live=1000)
+    req = request(16)
+    ev_log.planned(req, range(16), 0)
+    ev_log.landed([(0, 0, h) for h in req.block_hashes])  # 16 BlockStored: the queue is full
+    gone = [(0, req.block_hashes[0])]
+    assert ev_log.missing(gone, "sweep", time.perf_counter()) == 0
+    assert gone[0] in ev_log.live(), "a removal the queue could not take was forgotten"
+    assert counts.c[("kv_events_dropped", "removed")] == 1
+    assert len(ev_log.take()) == 16
+    assert ev_log.missing(gone, "sweep", time.perf_counter()) == 1
+    assert [type(e) for e in ev_log.take()] == [BlockRemoved]
+
+
+def test_loaded_blocks_are_announced_once_as_of_their_lookup():
+    """An engine that loads store blocks announces them too (its view of the store), live
+    from when its lookup began: a query that started before it cannot withdraw them."""
+    ev_log, _ = log()
+    req = request(3)
+    seen = time.perf_counter()
+    ev_log.loaded(req, [0, 1, 2], 0, seen)
+    events = roundtrip(ev_log.take())
+    assert [e.token_ids for e in events] == [req.all_token_ids[i * BS:(i + 1) * BS]
+                                             for i in range(3)]
+    assert events[1].parent_block_hash == external_hash(req.block_hashes[0])
+    ev_log.loaded(req, [0, 1, 2], 0, time.perf_counter())  # loaded again: no news
+    assert ev_log.take() == []
+    assert ev_log.missing([(0, req.block_hashes[0])], "sweep", seen) == 0
+    assert ev_log.missing([(0, req.block_hashes[0])], "sweep", time.perf_counter()) == 1
+
+
+def test_after_a_cache_reset_every_live_block_is_announced_again_a_queue_at_a_time():
+    """vLLM's AllBlocksCleared makes routers drop this engine's every tier: its live store
+    blocks are announced again after it, as many per step as the queue holds, and the engine
+    keeps stepping (`pending`) until all went out."""
+    ev_log, _ = log(queue=16, max_live=1000)
+    req = request(20)
+    for part in (range(16), range(16, 20)):
+        ev_log.planned(req, part, 0)
+        ev_log.landed([(0, 0, req.block_hashes[i]) for i in part])
+        assert ev_log.take()
+    ev_log.counted()
+    assert not ev_log.pending()
+    ev_log.cleared()
+    assert ev_log.pending()
+    first, second = roundtrip(ev_log.take()), roundtrip(ev_log.take())
+    ev_log.counted()
+    assert (len(first), len(second)) == (16, 4) and not ev_log.pending()
+    again = [e.block_hashes[0] for e in first + second]
+    assert again == [external_hash(h) for h in req.block_hashes]
+    assert all(isinstance(e, BlockStored) and e.token_ids for e in first + second)
+
+
+def test_sliding_window_groups_are_not_announced():
+    """Only the groups every router indexes: a sliding-window group's removals (it keeps only
+    its window) would erase the full group's credit in a router that keys by hash alone."""
+    ev_log, _ = log(spec=(("full_attention", None), ("sliding_window", 2 * BS)))
+    req = request(3)
+    ev_log.planned(req, range(3), 0)
+    ev_log.planned(req, [1, 2], 1)
+    ev_log.landed([(0, g, h) for g in (0, 1) for h in req.block_hashes])
+    ev_log.loaded(req, [2], 1, time.perf_counter())
+    assert {e.group_idx for e in ev_log.take()} == {0}
+    assert all(g == 0 for g, _ in ev_log.live())
+
+
+def test_removals_wake_the_engine_and_wait_as_pending():
+    wakes: list[int] = []
+    ev_log, _ = log(wake=lambda: wakes.append(1))
+    req = request(2)
+    ev_log.planned(req, [0, 1], 0)
+    ev_log.landed([(0, 0, h) for h in req.block_hashes])
+    ev_log.take()
+    assert ev_log.missing([(0, req.block_hashes[1])], "lookup", time.perf_counter() + 1) == 1
+    assert wakes == [1] and ev_log.pending()
+    assert ev_log.missing([(0, b"never" * 8)], "sweep", time.perf_counter()) == 0
+    assert wakes == [1]  # nothing removed: no wake
+    ev_log.take()
+    assert ev_log.pending()  # the engine steps once more: its stats count what it took
+    ev_log.counted()
+    assert not ev_log.pending()
+
+
+def test_vllm_clears_reads_the_block_pools_queued_events():
+    stored = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1], block_size=1,
+                         lora_id=None, medium="GPU", lora_name=None)
+    assert vllm_clears(SimpleNamespace(kv_event_queue=[stored, AllBlocksCleared()]))
+    assert not vllm_clears(SimpleNamespace(kv_event_queue=[stored]))
+    assert not vllm_clears(None) and not vllm_clears(SimpleNamespace())
+
+
+class EngineCoreProc:
+    """Stands for vLLM's: its input queue exists before it builds its scheduler (and so this
+    connector's scheduler side)."""
+
+    def __init__(self) -> None:
+        self.input_queue: queue.Queue = queue.Queue()
+        self.wakeup = build_connector()
+
+
+def build_connector() -> EngineWakeup:
+    return EngineWakeup.find()
+
+
+def test_wakeup_puts_vllms_sentinel_in_the_engines_input_queue():
+    from vllm.v1.engine import EngineCoreRequestType
+
+    engine = EngineCoreProc()
+    assert engine.wakeup.found
+    engine.wakeup.wake()
+    assert engine.input_queue.get_nowait() == (EngineCoreRequestType.WAKEUP, None)
+    alone = build_connector()  # no engine on the stack: nothing to wake, no error
+    assert not alone.found
+    alone.wake()
