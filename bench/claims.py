@@ -81,6 +81,12 @@ class Runs:
         return json.loads(path.read_text()) if path.exists() else None
 
     @cached_property
+    def router_dynamo(self) -> dict[str, Any] | None:
+        """tests/e2e/test_router_dynamo.py's run (RECORD_ROUTER=1); None until recorded."""
+        path = self.docs / "router-dynamo.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    @cached_property
     def demo(self) -> str:
         return (self.docs / "demo.txt").read_text()
 
@@ -740,15 +746,20 @@ def fault_matrix(r: Runs) -> str:
                + " | ".join(f"{v:.2f} s" for v in computed) + " |")
     for fault in f["faults"]:
         out.append(f"| {FAULTS.get(fault, fault)} | " + " | ".join(
-            f"{cells[(x, fault)]['paid']['max_s']:.2f} s: {_fm_evidence(cells[(x, fault)])}"
-            for x in rows) + " |")
+            f"{cells[(x, fault)]['paid']['max_s']:.2f} s{_fm_bound(cells[(x, fault)])}: "
+            f"{_fm_evidence(cells[(x, fault)])}" for x in rows) + " |")
     out += ["", f"The slowest of {f['cells'][0].get('requests', 4)} requests per cell, every "
-                f"one HTTP 200 with the reference output (load_timeout_s "
+                f"one HTTP 200 with the reference output, and the bound it was judged by "
+                f"({f.get('bound', 'not judged in this recording')}) (load_timeout_s "
                 f"{_fm_setting(f, 'load_timeout_s', f['load_timeout_s'])}, lookup_timeout_s "
                 f"{f['lookup_timeout_s']:g} s, the master's client TTL "
                 f"{_fm_setting(f, 'client_ttl_s', 10)}; load average {f['loadavg_1m']:g}); "
                 f"recorded by `{FAULT_MATRIX_CMD}`.", ""]
     return "\n".join(out)
+
+
+def _fm_bound(cell: dict[str, Any]) -> str:
+    return f" (of {cell['bound_s']:.1f} s)" if "bound_s" in cell else ""
 
 
 def _fm_setting(f: dict[str, Any], key: str, default: float) -> str:
@@ -759,7 +770,29 @@ def _fm_setting(f: dict[str, Any], key: str, default: float) -> str:
                                + ")" if other else "")
 
 
+def router_dynamo(r: Runs) -> str:
+    """docs/kv-events.md's router table: what Dynamo's real indexer credited, one line."""
+    d = r.router_dynamo
+    if d is None:
+        return ("(not recorded yet: `RECORD_ROUTER=1 .venv/bin/python -m pytest "
+                "tests/e2e/test_router_dynamo.py`)")
+    fill, reset, churn = d["fill"], d["after_reset"], d["churn"]
+    full = d["prompt_blocks"] * d["block_tokens"]
+    credited = sum(t >= full for t in fill["credited_tokens"])
+    kept = sum(t >= full for t in reset["credited_tokens"])
+    return (f"after a fill, {credited} of {fill['prompts']} prompts credited whole ({full} "
+            f"tokens each); after `/reset_prefix_cache`, {kept} of {fill['prompts']} still, "
+            f"from the store alone (its device tier: {max(reset['gpu_tokens'])} tokens); "
+            f"writing {churn['blocks_written']} blocks into a store "
+            f"of {churn['capacity_blocks']}, it held at most {churn['disk_blocks_held_max']} "
+            f"store blocks for the engine (the capacity plus one round of "
+            f"{churn['slack_blocks']} allowed), the first prompts' credit fell to "
+            f"{min(churn['first_prompts_credit_after'])} tokens and the newest prompt kept "
+            f"{churn['newest_prompt_credit']} (commit {d['commit']}, `RECORD_ROUTER=1`)")
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
+    "router-dynamo": router_dynamo,
     "fault-matrix": fault_matrix,
     "failover-timeline": failover_timeline,
     "failover-serve": failover_serve,

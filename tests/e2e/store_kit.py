@@ -58,6 +58,12 @@ def saved_blocks(prompts: list[list[int]]) -> int:
 SETTLED = ("save_keys", "save_skipped_keys", "save_error_keys")
 
 
+def settled_keys(server: VllmServer, families: tuple[str, ...] = SETTLED) -> float:
+    """Keys the engine's saves settled so far (written, found stored, or failed)."""
+    m = server.metrics()
+    return sum(metric_sum(m, f"{PREFIX}{fam}_total") for fam in families)
+
+
 def wait_for_saves(server: VllmServer, blocks: int, timeout: float = 120.0,
                    families: tuple[str, ...] = SETTLED) -> None:
     """Until the engine's saves settled `blocks` blocks: wrote them, found them already stored,
@@ -66,8 +72,7 @@ def wait_for_saves(server: VllmServer, blocks: int, timeout: float = 120.0,
     until it wrote that many. Raises with the count it saw after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
-        m = server.metrics()
-        done = sum(metric_sum(m, f"{PREFIX}{fam}_total") for fam in families)
+        done = settled_keys(server, families)
         if done >= blocks:
             return
         assert time.monotonic() < deadline, (
