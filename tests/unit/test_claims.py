@@ -34,6 +34,7 @@ PASSAGES = {
     "docs/reliability-failover.md": {"failover-timeline", "failover-serve"},
     "docs/layouts.md": {"layouts-table"},
     "docs/development.md": {"suite-times"},
+    "docs/kv-events.md": {"router-dynamo"},
 }
 ALL_PASSAGES = set().union(*PASSAGES.values())
 # Settings the failover page quotes outside passages (the probe's intervals), not measurements.
