@@ -241,8 +241,9 @@ KEYS: tuple[Key, ...] = (
         "buffer of the store node that owns the disk tier (its "
         "`MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES`); a get from disk larger than it fails "
         "with -10", lo=4096, hi=64 * 2**30, shown="`1280MB` (Mooncake's)"),
-    Key("disk_staging_usable_ratio", "float", 0.9, "share of `disk_staging_buffer_size` one "
-        "batch get may fill (staging adds DirectIO alignment)", lo=0.01, hi=1.0,
+    Key("disk_staging_usable_ratio", "float", 0.9, "share of `disk_staging_buffer_size` this "
+        "engine's gets in flight may fill together (split among its receive and in-step "
+        "threads on every TP rank; staging adds DirectIO alignment)", lo=0.01, hi=1.0,
         env="VLLM_MOONCAKE_DISK_STAGING_USABLE_RATIO"),
     Key("preferred_segment", "text", "", "put every block on this segment (`host:port` of a "
         "store node), as Mooncake's `ReplicateConfig.preferred_segment`",

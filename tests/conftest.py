@@ -29,8 +29,9 @@ vllm_server.IN_PROCESS_TP1 = True  # the tests' TP=1 engines start without a wor
 # Files that start engines: each declares how it may run (TIMING_MARKS), scripts/test.sh runs it so.
 ENGINE_FILES = ("tests/e2e/", "tests/deploy/test_helm_smoke.py")
 TIMING_MARKS = {
-    "timed": "its assertions depend on time (deadlines, bounds, a tuner's rate): it runs "
-             "serially, alone on the machine",
+    "timed": "its assertions depend on time (deadlines, bounds, a tuner's rate), or it starts "
+             "TP=2 engines, whose ranks spin on both cores: it runs serially, alone on the "
+             "machine",
     "side_by_side": "its assertions do not depend on time: it runs beside another such file, "
                     "each worker's engines computing on a core of their own",
 }
@@ -116,7 +117,7 @@ def references():
 
 
 @pytest.fixture(scope="session")
-def filled(tiny_model, master, store_node, prompts) -> tuple[str, list]:
+def session_fill(tiny_model, master, store_node, prompts) -> tuple[str, list]:
     """Engine A (1 receive thread) computes the prompts from scratch (salted: the ground
     truth), then serves them, saving their blocks, and exits: (its cache prefix, the truth)."""
     prefix = "e2e"
@@ -132,15 +133,15 @@ def filled(tiny_model, master, store_node, prompts) -> tuple[str, list]:
 
 
 @pytest.fixture(scope="session")
-def filled_store(filled) -> str:
+def filled_store(session_fill) -> str:
     """The cache prefix under which the session's store holds the prompts' blocks."""
-    return filled[0]
+    return session_fill[0]
 
 
 @pytest.fixture(scope="session")
-def reference_outputs(filled) -> list[list[int]]:
+def reference_outputs(session_fill) -> list[list[int]]:
     """Greedy outputs of the prompts computed from scratch: the ground truth."""
-    return filled[1]
+    return session_fill[1]
 
 
 @pytest.fixture(scope="module")

@@ -265,19 +265,23 @@ class MooncakeStoreWorker:
     def _disk_chunk_blocks(self) -> int:
         """With a disk tier, the most objects one get may ask for (0: no limit): the store node
         reads disk objects into its staging buffer (disk_staging_buffer_size) before sending
-        them, and a get that does not fit fails whole with -10 BUFFER_OVERFLOW. A job's gets
-        run one after another, as the in-tree connector's sub-batches do."""
+        them, and a get that does not fit fails whole with -10 BUFFER_OVERFLOW. The buffer is
+        shared by every get in flight, and this engine has as many as its readers: the load
+        threads and the in-step thread, on every TP rank. So each get asks for its share of
+        the usable bytes (one object at least: one that fits the whole buffer alone still
+        loads, the concurrent ones may then fail and be recomputed). A job's gets run one
+        after another, as the in-tree connector's sub-batches do."""
         if not self.config.enable_offload:
             return 0
         budget = int(self.config.disk_staging_buffer_size * self.config.disk_staging_usable_ratio)
-        biggest = max(io.load.block_bytes for io in self._io)  # one store object
-        fit = budget // disk_staged_bytes(biggest)
-        if fit == 0:
+        biggest = disk_staged_bytes(max(io.load.block_bytes for io in self._io))  # one object
+        if budget < biggest:
             raise ValueError(
                 f"kv_connector_extra_config.disk_staging_buffer_size: {budget} usable bytes "
                 f"hold no store object of {biggest} bytes; raise it (and the store "
                 "nodes' MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES) or disk_staging_usable_ratio")
-        return fit
+        readers = (self.pool.size + (self.step_pool is not None)) * self._keys.layout.tp_size
+        return max(1, budget // readers // biggest)
 
     def _register_buffers(self, client: Any) -> None:
         for ptr, size in dict(st for io in self._io for st in io.load.storages).items():

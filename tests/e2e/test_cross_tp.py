@@ -53,7 +53,7 @@ from tests.conftest import engine_extra
 from tests.e2e.kv_events_kit import Subscriber, blocks_of
 from tests.engines import TP_START_TIMEOUT_S, salted, tp_args, tp_env
 
-pytestmark = pytest.mark.side_by_side
+pytestmark = pytest.mark.timed  # TP=2 engines: both cores (tests/conftest.py TIMING_MARKS)
 
 LOAD_TIMEOUT_S = 60.0  # and the lease, below: see the module's docstring
 MODELS = {

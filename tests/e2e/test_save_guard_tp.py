@@ -28,7 +28,7 @@ from tests.conftest import corrupt_stored_block, engine_extra, plain_client
 from tests.e2e.fault_matrix_kit import series
 from tests.engines import TP_START_TIMEOUT_S, from_scratch, salt, tp_args, tp_env
 
-pytestmark = pytest.mark.side_by_side
+pytestmark = pytest.mark.timed  # TP=2 engines: both cores (tests/conftest.py TIMING_MARKS)
 
 PREFIX = "guard-tp2"
 # Loads run in the step (staged, host KV) once the first one gave an estimate: every load of

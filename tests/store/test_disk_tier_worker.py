@@ -78,11 +78,17 @@ def test_evicted_blocks_load_from_disk_split_to_fit(make_worker_on, disk_cluster
     assert whole.recorder.snapshot().data["c"]["failures|0|load|-10"] == 1
 
     # With the disk tier declared: gets of at most 6 blocks (6 x (64 KiB + 8 KiB) <= 90 % of
-    # 512 KiB), one after another, all loaded, byte-exact, and counted as served from disk.
+    # 512 KiB) for the one reader of a worker with one load thread and no in-step thread, one
+    # after another, all loaded, byte-exact, and counted as served from disk. Every get in
+    # flight shares the owner's buffer: a worker with 4 load threads and an in-step thread
+    # (5 readers) asks for 1 block per get, so that its 5 gets at once still fit.
+    assert make_worker_on(disk_cluster, prefix="disk", enable_offload=True, kv_heads=HEADS,
+                          heads=HEADS, disk_staging_buffer_size=OWNER_BUFFER, threads=4,
+                          sync_load_ms=20)._disk_chunk == 1
     dst = kv_caches(HEADS, seed=None)
     split = make_worker_on(disk_cluster, caches=dst, prefix="disk", staging=staging,
                            enable_offload=True, disk_staging_buffer_size=OWNER_BUFFER,
-                           kv_heads=HEADS)
+                           kv_heads=HEADS, threads=1, sync_load_ms=0)
     assert split._disk_chunk == 6
     done, errors = run_step(split, StepMetadata(loads=(BlockTransfer("b", tuple(range(32)),
                                                                      hs),)))
