@@ -62,10 +62,16 @@ def test_a_call_stuck_at_its_expiry_is_retired_even_if_the_expiry_ends_it():
     """The tick that expires a running job finds its call past the bound: the thread is stuck
     and replaced, though whoever the expiry wakes ends the call at once (an in-step load's
     step returns, and a test thaws the store node it froze). Here on_expire returns only once
-    the call has returned; decided after the callbacks, the retirement never happened."""
+    the call has returned; decided after the callbacks, the retirement never happened.
+
+    A deadline counts from submission and the bound from the moment a thread took the job, so
+    a tick can fall between the two; the handler moves its deadline to just past its own
+    bound, so that one tick finds both (as it does whenever the job started at once)."""
     rec, release, replaced = Recorder(), threading.Event(), []
 
     def handler(job, slot, ticket):
+        with ticket._lock:
+            ticket.deadline = ticket.started + 1.0 + 1e-6
         release.wait()
         ticket.finish()
 
@@ -74,7 +80,7 @@ def test_a_call_stuck_at_its_expiry_is_retired_even_if_the_expiry_ends_it():
         release.set()
         wait_until(lambda: pool.idle, 2.0)  # the call returned and its thread let go of it
 
-    pool = RecvPool(1, handler, deadline_s=0.2, on_expire=on_expire,
+    pool = RecvPool(1, handler, deadline_s=1.0, on_expire=on_expire,
                     on_replace=lambda: replaced.append(1))
     pool.submit("stuck")
     wait_until(lambda: rec.expired == [("stuck", "timeout")])
