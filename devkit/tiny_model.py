@@ -23,6 +23,8 @@ WORDS = (
     "alpha beta gamma delta kernel tensor page shard replica lease node client server"
 ).split()
 
+MAX_POSITIONS = 4096  # every tiny model's context: vLLM refuses a longer --max-model-len
+
 
 def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
@@ -87,7 +89,7 @@ def make_tiny_llama(
         return LlamaForCausalLM(LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+            max_position_embeddings=MAX_POSITIONS, bos_token_id=1, eos_token_id=2,
             torch_dtype="bfloat16", tie_word_embeddings=False, **hybrid))
 
     return _write(out_dir, spec, build)
@@ -108,7 +110,7 @@ def make_tiny_mla(out_dir: str | Path, layers: int = 2, hidden: int = 128, heads
             moe_intermediate_size=hidden, num_hidden_layers=layers, first_k_dense_replace=layers,
             num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=512,
             q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
-            n_routed_experts=1, max_position_embeddings=4096, bos_token_id=1,
+            n_routed_experts=1, max_position_embeddings=MAX_POSITIONS, bos_token_id=1,
             eos_token_id=2, torch_dtype="bfloat16", tie_word_embeddings=False))
 
     return _write(out_dir, spec, build)

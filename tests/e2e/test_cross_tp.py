@@ -23,8 +23,14 @@ main thread busy-waits on vLLM's shared-memory step queue (it spins for a second
 step, and the engine steps continuously while a request waits for its KV), pinned to the core
 its receive thread shares. With anything else busy on the host, a load was seen taking seconds
 there (milliseconds on the TP=1 engine beside it), past the default `load_timeout_s` and
-Mooncake's default lease (`LEASE_EXPIRED`): so these engines and their master are patient.
-This test is about layouts; deadlines have their own tests.
+Mooncake's default lease (`LEASE_EXPIRED`), and in a serial run the whole host was seen to
+stall for about a minute (every process's periodic log lines missing; a master RPC of the
+TP=1 engine timed out with -901 after Mooncake's 60 s): so these engines and their master are
+patient, two minutes for a load, a master call and a lease. So loads here are all asynchronous
+(`sync_load_ms: 0`): an in-step load's deadline is at most 10 s (with the default, 1 s, the TP=2
+engine reading slices was seen failing its loads); the in-step path at TP=2 is
+tests/e2e/test_save_guard_tp.py's. This test is about layouts; deadlines have their own
+tests.
 
 Each output is compared with the same prompts computed from scratch on an engine of each TP
 size (salted: tests/engines.py), taken from the engines under test once their store checks
@@ -55,7 +61,7 @@ from tests.engines import TP_START_TIMEOUT_S, salted, tp_args, tp_env
 
 pytestmark = pytest.mark.timed  # TP=2 engines: both cores (tests/conftest.py TIMING_MARKS)
 
-LOAD_TIMEOUT_S = 60.0  # and the lease, below: see the module's docstring
+LOAD_TIMEOUT_S = 120.0  # and the lease, below: see the module's docstring
 MODELS = {
     "gqa": lambda d: make_tiny_llama(d, hidden=256, heads=8, kv_heads=4),
     "hybrid": lambda d: make_tiny_llama(d, heads=4, kv_heads=2, sliding_window=64),
@@ -83,7 +89,7 @@ def engine(model: str, tp: int, master, prefix: str, store_tp: int = 2,
     (a subscriber and a topic) it publishes the store's KV events there (no removal sweep:
     this store never evicts)."""
     extra = engine_extra(master, cache_prefix=prefix, store_tp_size=store_tp,
-                         load_timeout_s=LOAD_TIMEOUT_S)
+                         load_timeout_s=LOAD_TIMEOUT_S, sync_load_ms=0)
     args = tp_args(tp)
     if events:
         sub, topic = events

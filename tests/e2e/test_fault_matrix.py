@@ -46,7 +46,7 @@ import pytest
 
 from connector.observability.metric_catalog import PREFIX as P
 from connector.store.client import TIMEOUT_ENV
-from devkit.tiny_model import make_tiny_llama, make_tiny_mla
+from devkit.tiny_model import MAX_POSITIONS, make_tiny_llama, make_tiny_mla
 from devkit.vllm_server import (
     BLOCK_SIZE,
     CPU_MLA_BLOCK_SIZE,
@@ -82,8 +82,9 @@ SLACK_S = 2.0
 COMPUTE_SLACK = 3
 # The engines' context, which the "removed" cell's fillers generate up to while they hold the
 # sequence slots: with 2,048 the TP=2 row's fillers were seen to finish (2,032 tokens) 13 s
-# after the requests were sent, before the master had answered their lookups.
-FILLER_CONTEXT = 8192
+# after the requests were sent, before the master had answered their lookups. The tiny models'
+# whole context (vLLM refuses more).
+FILLER_CONTEXT = MAX_POSITIONS
 THREADS = 2  # receive threads per rank
 LOOKUP_TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 2.0
