@@ -183,7 +183,9 @@ KEYS: tuple[Key, ...] = (
         "in-tree field: the TP sizes of the engines that write the store, for "
         "`enable_store_tp_lcm`", lo=1, hi=1024, fix="list the writers' TP sizes, e.g. [2, 4]",
         shown="unset"),
-    Key("lookup_timeout_s", "float", 2.0, "a scheduler lookup slower than this is a miss",
+    Key("lookup_timeout_s", "float", 2.0,
+        "a scheduler lookup slower than this is a miss, counted from when vLLM first asks "
+        "about the request (the lookup starts when the request arrives)",
         lo=0.001, hi=600),
     Key("lookup_wait_ms", "float", 5.0,
         "budget per engine step for waiting on lookups, shared by every waiting request "

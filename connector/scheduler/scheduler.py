@@ -5,6 +5,12 @@ engine loop never waits on the master for more than `lookup_wait_ms`; until the 
 `get_num_new_matched_tokens` returns None and vLLM retries the request next step. A lookup that
 errors or exceeds `lookup_timeout_s` is a miss, never an exception in the engine.
 
+A lookup starts when its request arrives (`prefetch`), so its answer is usually in before
+vLLM reaches the request in its waiting queue; its `lookup_timeout_s` counts from when vLLM
+first asks about the request. Counted from arrival, a burst of arrivals that queued lookups
+behind each other made the later ones start past their deadline, skip their store call and
+answer "timeout": requests whose prefix was stored were recomputed.
+
 Against a master that is slow but answers, dead lookups must not pile up ahead of live ones: a
 lookup that times out is cancelled if it has not started, one that starts past its deadline
 makes no store call, and a running one stops before its next window (a store call in flight
@@ -26,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,9 +71,18 @@ class _Tracked:
 
 
 @dataclass
+class _Deadline:
+    """When a lookup must stop making store calls (perf_counter); inf until vLLM asks."""
+
+    at: float = math.inf
+
+
+@dataclass
 class _Lookup:
     future: cf.Future
-    started: float  # perf_counter at submit; the deadline is started + lookup_timeout_s
+    started: float  # perf_counter at submit
+    deadline: _Deadline
+    asked: float | None = None  # when vLLM first asked (perf_counter); the timeout counts from it
 
 
 class _Late(Exception):
@@ -179,14 +195,15 @@ class MooncakeStoreScheduler:
     def _submit(self, rid: str, hashes: Sequence[bytes]) -> _Lookup | None:
         lk = self._lookups.get(rid)
         if lk is None and self._store.ready() is not None:
-            now = time.perf_counter()
+            deadline = _Deadline()
             lk = self._lookups[rid] = _Lookup(self._executor.submit(
-                self._lookup, tuple(hashes), now + self.config.lookup_timeout_s), now)
+                self._lookup, tuple(hashes), deadline), time.perf_counter(), deadline)
         return lk
 
     def _drop(self, lk: _Lookup) -> None:
         """Give a lookup up: cancelled if it has not started, else kept for `shutdown()`
         until its store call returns (it stops at its next window)."""
+        lk.deadline.at = 0.0
         if not lk.future.cancel() and not lk.future.done():
             self._abandoned = [f for f in self._abandoned if not f.done()] + [lk.future]
 
@@ -220,6 +237,9 @@ class MooncakeStoreScheduler:
                 self._store.down_code or "unavailable"))
             return 0
         t0 = time.perf_counter()
+        if lk.asked is None:  # vLLM reached the request: from now on its lookup has a deadline
+            lk.asked = t0
+            lk.deadline.at = t0 + self.config.lookup_timeout_s
         try:
             wait = max(0.0, self._step_budget_s - self.step_waited_s)
             hit_tokens, event = lk.future.result(timeout=wait)
@@ -228,12 +248,12 @@ class MooncakeStoreScheduler:
             self._seen[rid] = lk.started  # the store held the hit when the lookup began
             return hit_tokens
         except cf.TimeoutError:
-            if time.perf_counter() - lk.started < self.config.lookup_timeout_s:
+            if time.perf_counter() - lk.asked < self.config.lookup_timeout_s:
                 return None
             del self._lookups[rid]
             self._drop(lk)
             self.events.lookup(LookupEvent("timeout", 0, 0, len(hashes) * self._block_size,
-                                                time.perf_counter() - lk.started))
+                                                time.perf_counter() - lk.asked))
             logger.warning("store lookup exceeded lookup_timeout_s=%.3fs; treating as a miss",
                            self.config.lookup_timeout_s)
             return 0
@@ -242,12 +262,13 @@ class MooncakeStoreScheduler:
             if lk.future.done():
                 self._lookups.pop(rid, None)
 
-    def _lookup(self, hashes: tuple[bytes, ...], deadline: float) -> tuple[int, LookupEvent]:
+    def _lookup(self, hashes: tuple[bytes, ...], deadline: _Deadline
+                ) -> tuple[int, LookupEvent]:
         """Longest prefix every group can restore, in tokens, and its event. Runs on the
         lookup executor. Blocks are probed in windows that grow 4x: full-attention groups
         from the left, sliding-window groups from the right (only their window is needed).
-        Past `deadline` it makes no further store call: a timeout, with the prefix that what
-        was already probed proves."""
+        Past `deadline.at` (set once vLLM asks) it makes no further store call: a timeout,
+        with the prefix that what was already probed proves."""
         t0 = time.perf_counter()
         found, probed, code, late = 0, 0, "", False
         known: list[dict[int, bool]] = [{} for _ in self._groups]
@@ -256,7 +277,7 @@ class MooncakeStoreScheduler:
         def present(g: int, i: int) -> bool:
             nonlocal probed
             if i not in known[g]:
-                if time.perf_counter() >= deadline:
+                if time.perf_counter() >= deadline.at:
                     raise _Late
                 lo, hi = (i, min(len(hashes), i + spans[g])) if self._groups[g].kind == FULL \
                     else (max(0, i + 1 - spans[g]), i + 1)

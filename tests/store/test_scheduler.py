@@ -237,6 +237,42 @@ def test_frozen_master_lookup_times_out_and_shutdown_waits_for_its_call(monkeypa
         live.stop()
 
 
+def test_a_lookup_queued_behind_others_has_its_deadline_from_when_vllm_asks(monkeypatch):
+    """Lookups start when requests arrive. Two lookups hold both lookup threads (their
+    master frozen) while a third request arrives and its lookup queues for longer than
+    lookup_timeout_s; vLLM has not asked about it yet. Once the master answers and vLLM asks,
+    the queued lookup runs and finds the request's stored prefix. (With the deadline counted
+    from arrival it started late, made no store call and was a timeout: a stored prefix
+    recomputed.)"""
+    from devkit.local_cluster import local_pool
+
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "60000")  # the blockers' calls wait until SIGCONT
+    with local_pool() as (master, _node):
+        s = make(master, lookup_timeout_s=0.3, lookup_wait_ms=1)
+        try:
+            hs = hashes("queued", 4)
+            store_blocks(s._store.client, s, hs)
+            freeze(master.proc)
+            try:
+                blockers = [request(f"b{i}", hashes(f"blocker{i}", 4), 4 * BS + 1)
+                            for i in range(2)]
+                for r in blockers:
+                    s.prefetch(r)
+                deadline = time.monotonic() + 10
+                while not all(s._lookups[r.request_id].future.running() for r in blockers):
+                    assert time.monotonic() < deadline, "the blockers never started"
+                    time.sleep(0.01)
+                target = request("t", hs, 4 * BS + 1)
+                s.prefetch(target)
+                time.sleep(0.6)  # twice lookup_timeout_s, queued behind the frozen calls
+            finally:
+                thaw(master.proc)
+            assert ask(s, target) == (4 * BS, True)
+            assert lookup_counts(s) == {"lookups|hit": 1}
+        finally:
+            s.shutdown()
+
+
 def test_timed_out_lookups_do_not_hold_up_new_ones(master, store_node, store_client):
     """A master that is slow but answers (100 ms round trips: two lookup threads serve about
     20 lookups a second) and a burst of 100 requests: most time out. Those are cancelled (or
