@@ -81,8 +81,7 @@ class _Deadline:
 class _Lookup:
     future: cf.Future
     started: float  # perf_counter at submit
-    deadline: _Deadline
-    asked: float | None = None  # when vLLM first asked (perf_counter); the timeout counts from it
+    deadline: _Deadline  # lookup_timeout_s from when vLLM first asks; inf until then
 
 
 class _Late(Exception):
@@ -237,8 +236,7 @@ class MooncakeStoreScheduler:
                 self._store.down_code or "unavailable"))
             return 0
         t0 = time.perf_counter()
-        if lk.asked is None:  # vLLM reached the request: from now on its lookup has a deadline
-            lk.asked = t0
+        if lk.deadline.at == math.inf:  # vLLM reached the request: its lookup gets a deadline
             lk.deadline.at = t0 + self.config.lookup_timeout_s
         try:
             wait = max(0.0, self._step_budget_s - self.step_waited_s)
@@ -248,12 +246,14 @@ class MooncakeStoreScheduler:
             self._seen[rid] = lk.started  # the store held the hit when the lookup began
             return hit_tokens
         except cf.TimeoutError:
-            if time.perf_counter() - lk.asked < self.config.lookup_timeout_s:
+            now = time.perf_counter()
+            if now < lk.deadline.at:
                 return None
+            waited = now - lk.deadline.at + self.config.lookup_timeout_s  # since vLLM asked
             del self._lookups[rid]
             self._drop(lk)
             self.events.lookup(LookupEvent("timeout", 0, 0, len(hashes) * self._block_size,
-                                                time.perf_counter() - lk.asked))
+                                                waited))
             logger.warning("store lookup exceeded lookup_timeout_s=%.3fs; treating as a miss",
                            self.config.lookup_timeout_s)
             return 0

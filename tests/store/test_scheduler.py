@@ -15,7 +15,7 @@ from connector.store.keys import KeyBuilder, Layout
 from devkit.local_cluster import MooncakeMaster
 from devkit.processes import freeze, thaw
 from tests.client_kit import CallRecorder
-from tests.worker_kit import hashes
+from tests.worker_kit import hashes, wait_until
 
 BS = 32
 
@@ -258,10 +258,8 @@ def test_a_lookup_queued_behind_others_has_its_deadline_from_when_vllm_asks(monk
                             for i in range(2)]
                 for r in blockers:
                     s.prefetch(r)
-                deadline = time.monotonic() + 10
-                while not all(s._lookups[r.request_id].future.running() for r in blockers):
-                    assert time.monotonic() < deadline, "the blockers never started"
-                    time.sleep(0.01)
+                wait_until(lambda: all(s._lookups[r.request_id].future.running()
+                                       for r in blockers), 10, "the blockers never started")
                 target = request("t", hs, 4 * BS + 1)
                 s.prefetch(target)
                 time.sleep(0.6)  # twice lookup_timeout_s, queued behind the frozen calls
