@@ -759,7 +759,12 @@ def fault_matrix(r: Runs) -> str:
 
 
 def _fm_bound(cell: dict[str, Any]) -> str:
-    return f" (of {cell['bound_s']:.1f} s)" if "bound_s" in cell else ""
+    if "bound_s" not in cell:
+        return ""
+    if not cell.get("host_stalls_s"):
+        return f" (of {cell['bound_s']:.1f} s)"
+    return (f" ({cell['paid']['max_less_host_stalls_s']:.2f} s less the host's stalls, of "
+            f"{cell['bound_s']:.1f} s; the host stalled {cell['host_stalls_s']:.1f} s in the cell)")
 
 
 def _fm_setting(f: dict[str, Any], key: str, default: float) -> str:

@@ -9,7 +9,6 @@ names what it saw when it gives up.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import random
@@ -17,6 +16,7 @@ import signal
 import threading
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -245,6 +245,7 @@ class Reply:
     output: Completion | None
     seconds: float
     error: str = ""
+    started: float = 0.0  # time.monotonic() when it was sent
 
 
 def send(server: VllmServer, prompt: list[int], max_tokens: int = 8) -> Reply:
@@ -252,11 +253,11 @@ def send(server: VllmServer, prompt: list[int], max_tokens: int = 8) -> Reply:
     t0 = time.monotonic()
     try:
         out = server.complete(prompt, max_tokens=max_tokens)
-        return Reply(200, out, time.monotonic() - t0)
+        return Reply(200, out, time.monotonic() - t0, started=t0)
     except urllib.error.HTTPError as e:
-        return Reply(e.code, None, time.monotonic() - t0, e.read().decode(errors="replace"))
+        return Reply(e.code, None, time.monotonic() - t0, e.read().decode(errors="replace"), t0)
     except OSError as e:
-        return Reply(0, None, time.monotonic() - t0, repr(e))
+        return Reply(0, None, time.monotonic() - t0, repr(e), t0)
 
 
 def burst(server: VllmServer, work: list[list[int]], sequential: bool = False) -> list[Reply]:
@@ -267,57 +268,63 @@ def burst(server: VllmServer, work: list[list[int]], sequential: bool = False) -
         return list(pool.map(lambda p: send(server, p), work))
 
 
-class Filler:
-    """A streamed request that holds one of the engine's sequence slots, generating until
-    `release()` closes its connection (vLLM aborts a request whose client went away)."""
-
-    def __init__(self, server: VllmServer, seed: int) -> None:
-        rng = random.Random(seed)
-        body = json.dumps({
-            "model": server.model, "prompt": [rng.randrange(3, 1000) for _ in range(5)],
-            "max_tokens": server.max_model_len - 16, "temperature": 0.0, "stream": True,
-            "ignore_eos": True}).encode()
-        self._conn = http.client.HTTPConnection(HOST, server.port, timeout=120)
-        self._conn.request("POST", "/v1/completions", body,
-                           {"Content-Type": "application/json"})
-        self._resp = self._conn.getresponse()
-        assert self._resp.status == 200, self._resp.status
-        self.tokens = 0
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._started = threading.Event()
-        self._reader.start()
-
-    def _read(self) -> None:
-        with contextlib.suppress(Exception):
-            for line in self._resp:
-                if line.startswith(b"data:") and b"[DONE]" not in line:
-                    self.tokens += 1
-                    self._started.set()
-
-    def running(self, timeout: float = 60.0) -> None:
-        assert self._started.wait(timeout), "a filler request never produced a token"
-
-    def release(self) -> int:
-        """Close the connection; the tokens it had streamed (it must still have been going)."""
-        tokens = self.tokens
-        with contextlib.suppress(Exception):
-            self._conn.sock.shutdown(2)
-        self._conn.close()
-        return tokens
-
-
 @contextlib.contextmanager
-def slots_held(server: VllmServer, n: int, seed: int) -> Iterator[list[Filler]]:
-    """`n` filler requests running (every sequence slot of an engine with max_num_seqs n):
-    requests sent meanwhile wait, their store lookups already started (on arrival)."""
-    fillers = [Filler(server, seed + i) for i in range(n)]
+def scheduler_paused(server: VllmServer) -> Iterator[None]:
+    """vLLM's scheduler paused with its queue kept (`POST /pause?mode=keep`, dev mode): a
+    request sent meanwhile enters the waiting queue, where the connector starts its lookup
+    (`on_new_request`), and none is scheduled, so none loads, until `/resume`. Requests that
+    held the sequence slots instead ran out while a stalled host kept the master from
+    answering (TP=2 fillers finished their whole context first)."""
+    server.post("/pause?mode=keep&clear_cache=false")
     try:
-        for f in fillers:
-            f.running()
-        yield fillers
+        with urllib.request.urlopen(server.url + "/is_paused", timeout=10) as r:
+            assert json.loads(r.read())["is_paused"], "vLLM did not pause its scheduler"
+        yield
     finally:
-        for f in fillers:
-            f.release()
+        server.post("/resume")
+
+
+# ---- host stalls -----------------------------------------------------------------------------
+STALL_S = 0.1  # a run-queue wait this long is the host's, not contention: EEVDF slices are ms
+
+
+class HostStalls:
+    """When the host kept a runnable thread of this process off every CPU for over STALL_S
+    at a time: the kernel's run-queue wait (/proc/thread-self/schedstat) of a thread that
+    wakes every 10 ms. On these 2-core VMs, while a TP=2 engine's pinned ranks compute, every
+    other task was seen to wait tens of seconds at a stretch (docs/development.md); a request then
+    waits for the host, not for the store, and a bound on what the store costs it must not
+    count that. Contention on a fair scheduler (ms slices) stays far below STALL_S, and a
+    connector that hangs or spins is not a run-queue wait of this thread."""
+
+    def __init__(self) -> None:
+        self.stalls: list[tuple[float, float]] = []  # (start, end), time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="host-stalls")
+
+    def _watch(self) -> None:
+        with open("/proc/thread-self/schedstat") as f:
+            def waited() -> float:
+                f.seek(0)
+                return int(f.read().split()[1]) / 1e9
+            last = waited()
+            while not self._stop.wait(0.01):
+                now, w = time.monotonic(), waited()
+                if w - last > STALL_S:
+                    self.stalls.append((now - (w - last), now))
+                last = w
+
+    def __enter__(self) -> HostStalls:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def within(self, start: float, end: float) -> float:
+        """Seconds of stall between `start` and `end` (time.monotonic())."""
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.stalls)
 
 
 def record(path: str | Path, doc: dict[str, Any]) -> None:
