@@ -39,10 +39,14 @@ LOGPROB_TOL = 1e-4  # float32 logits of the same KV; a wrong shard moves them by
 
 
 def served(server: VllmServer, prompt: list[int]) -> tuple[list, list[float], dict]:
-    """`prompt` with its local prefix cache dropped first: (tokens, logprobs, metric deltas)."""
+    """`prompt` with its local prefix cache dropped first: (tokens, logprobs, metric deltas
+    once its saves ended and a step shipped the workers' counts: saves run after the reply,
+    and a slow host was seen to answer before they were counted)."""
     server.reset_prefix_cache()  # every save so far is stored, and nothing is local
     before = server.metrics()
     tokens, logprobs = server.logprobs(prompt)
+    server.reset_prefix_cache()  # its saves ended: the connector holds its blocks until then
+    server.complete([5, 6, 7], max_tokens=1)  # under a block: no lookup, load or save
     after = server.metrics()
     return tokens, logprobs, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
@@ -86,7 +90,8 @@ def test_a_load_failed_on_one_rank_stores_no_shard_of_its_step(tmp_path_factory)
         assert metric_sum(faulted, P + "failures_total", op="save", code="unsafe",
                           tp_rank=rank) > 0, f"rank {rank} saved the faulted step's blocks"
         assert metric_sum(faulted, P + "save_keys_total", tp_rank=rank) == 0
-    assert metric_sum(again, P + "save_keys_total") > 0  # the recomputation stored Q
+    assert metric_sum(again, P + "save_keys_total") > 0, \
+        f"the recomputation stored nothing of Q: {series(again, 'save')}"
     # Q read from the store: all of it, with the log-probabilities of Q computed.
     assert metric_sum(read, "vllm:external_prefix_cache_hits_total") >= 14 * BLOCK_SIZE
     assert metric_sum(read, P + "load_jobs_total", status="error") == 0
