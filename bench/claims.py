@@ -87,6 +87,12 @@ class Runs:
         return json.loads(path.read_text()) if path.exists() else None
 
     @cached_property
+    def control_path(self) -> dict[str, Any] | None:
+        """bench/control_path.py's run; None until recorded."""
+        path = self.docs / "control-path.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    @cached_property
     def demo(self) -> str:
         return (self.docs / "demo.txt").read_text()
 
@@ -796,7 +802,49 @@ def router_dynamo(r: Runs) -> str:
             f"{churn['newest_prompt_credit']} (commit {d['commit']}, `RECORD_ROUTER=1`)")
 
 
+CONTROL_STEPS = {"lookup": "lookup", "plan": "load plan", "load_prep": "load prep",
+                 "save_plan": "save plan", "save_prep": "save prep"}
+
+
+def control_path(r: Runs) -> str:
+    """docs/performance.md: the control path per request against prompt length, and the
+    targets (at most 2 ms per 1,000 blocks end to end; below the in-tree connector)."""
+    d = r.control_path
+    if d is None:
+        return "\n\nNot measured yet: `python -m bench.control_path`.\n\n"
+    t = d["target_ms_per_1000_blocks"]
+    out = ["", "", "| tokens | blocks | " + " | ".join(CONTROL_STEPS.values())
+           + " | end to end (per 1,000 blocks) | keys and addresses: ours / in-tree |",
+           "|---:|---:|" + "---:|" * (len(CONTROL_STEPS) + 2)]
+    over, slower = [], []
+    for row in d["sizes"]:
+        o, per = row["ours"], row["ours_end_to_end_ms"] / row["blocks"] * 1e3
+        if per > t:
+            over.append(f"{row['tokens']:,}")
+        if row["ours_comparable_ms"] >= row["in_tree_comparable_ms"]:
+            slower.append(f"{row['tokens']:,}")
+        out.append(f"| {row['tokens']:,} | {row['blocks']:,} | "
+                   + " | ".join(f"{o[s]['wall_ms']:.2f}" for s in CONTROL_STEPS)
+                   + f" | {row['ours_end_to_end_ms']:.2f} ({per:.2f}) | "
+                   f"{row['ours_comparable_ms']:.2f} / {row['in_tree_comparable_ms']:.2f} |")
+    first, last = d["sizes"][0], d["sizes"][-1]
+    slope = (last["ours_end_to_end_ms"] - first["ours_end_to_end_ms"]) / (
+        last["blocks"] - first["blocks"]) * 1e3
+    oc = d["others_cores"]
+    out += ["", f"Milliseconds, the median of {d['rounds']} rounds (sizes interleaved; ranges "
+                f"in `docs/control-path.json`), commit {d['commit']}; other processes used "
+                f"{oc['median']:g} cores (median; at most {oc['max']:g}). From "
+                f"{first['blocks']:,} to {last['blocks']:,} blocks the end-to-end cost grows "
+                f"{slope:.2f} ms per 1,000 blocks. Target {t:g} ms per 1,000 blocks end to end: "
+                + (f"**missed** at {', '.join(over)} tokens" if over else "met at every size")
+                + "; keys and addresses below the in-tree connector's: "
+                + (f"**missed** at {', '.join(slower)} tokens" if slower
+                   else "met at every size") + ".", ""]
+    return "\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[Runs], str]] = {
+    "control-path": control_path,
     "router-dynamo": router_dynamo,
     "fault-matrix": fault_matrix,
     "failover-timeline": failover_timeline,

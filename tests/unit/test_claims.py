@@ -26,7 +26,7 @@ SETTINGS = {"0 ms", "5 ms", "10 ms",  # master RTTs the runs were set to
 PASSAGES = {
     "docs/quickstart.md": {"readme-demo"},
     "docs/observability.md": {"readme-tracing"},
-    "docs/performance.md": {"readme-headlines", "readme-serve"},
+    "docs/performance.md": {"readme-headlines", "readme-serve", "control-path"},
     "docs/benchmark.md": {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
                           "docs-serve", "docs-serve-gap"},
     "docs/disk-tier.md": {"docs-disk-tier"},

@@ -1,0 +1,305 @@
+"""The control path at long context: what one store hit and one save cost this connector in
+Python, on the engine's cores, against prompt length, on a 70B-shaped layout (80 layers, 8 KV
+heads, head size 128, bf16, block size 16, TP=1), beside vLLM's in-tree
+`MooncakeStoreConnector` on the same inputs.
+
+Steps, each timed on its own (wall and this process's CPU, which counts every thread of it):
+- `lookup`: the scheduler's lookup of a prompt whose every block is stored, from the request's
+  arrival (`prefetch`, as `on_new_request` calls it) to vLLM's answer
+  (`get_num_new_matched_tokens`): the keys of every block and one batch existence check
+  against a real master (objects of one byte under the real keys: only the keys matter);
+- `plan`: `update_state_after_alloc` and `build_connector_meta` for that request: the step's
+  load plan;
+- `load_prep`: what a receive thread does before its store call (`_load`): the objects' keys,
+  units and the per-object buffer address lists the multi-buffer get takes;
+- `save_plan`: a prompt computed from scratch: its lookup miss, then `build_connector_meta`
+  with the request scheduled, which plans the save of every block;
+- `save_prep`: what a save thread does before its put: keys and address lists.
+In-tree, on the same hashes, block ids and KV tensors: `keys` (`RankLocalStoreLayout.key_for`
+per block, as its scheduler and worker build them) and `prepare_values` (its address lists,
+vectorised in vllm#48531). Its scheduler's lookup needs a running engine's config and is not
+timed; the comparison is on the steps both have.
+
+The KV tensors are the real shape (8,194 blocks of 80 layers, 43 GB) but never touched: the
+kernel backs untouched pages with nothing, and only their addresses are read. No transfer
+runs: the bytes are not what this measures.
+
+Sizes are interleaved round by round (each round times every size once, in a rotated order),
+and each step's figure is the median of the rounds with its range.
+
+    python -m bench.control_path [--rounds 7] [--out docs/control-path.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.testbed import OthersMeter
+from connector.config import load_config
+from connector.scheduler.scheduler import MooncakeStoreScheduler
+from connector.store.keys import KeyBuilder, Layout, kv_signature
+from connector.worker.kv_regions import plan_group
+from devkit.local_cluster import HOST, local_pool
+
+REPO = Path(__file__).resolve().parent.parent
+LAYERS, HEADS, HEAD_SIZE, BLOCK = 80, 8, 128, 16
+TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+TARGET_MS_PER_1000_BLOCKS = 2.0
+
+
+def kv_caches(num_blocks: int, layers: int) -> dict[str, torch.Tensor]:
+    """Per-layer KV tensors, blocks first (`[B, 2, H, N, C]`), allocated and never touched."""
+    return {f"model.layers.{i}.self_attn": torch.empty(
+        (num_blocks, 2, HEADS, BLOCK, HEAD_SIZE), dtype=torch.bfloat16) for i in range(layers)}
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """(wall ms, process CPU ms, result) of one call."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3, out
+
+
+class Ours:
+    """This connector's scheduler over a real master, and one rank's object plan."""
+
+    def __init__(self, master: Any, caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        cfg = load_config(master.store_config(global_segment_size=0,
+                                              local_buffer_size="64MB"), environ={})
+        sig = kv_signature(caches, num_blocks)
+        keys = KeyBuilder("ctl", Layout("llama-70b", "bfloat16", BLOCK, HEADS, HEAD_SIZE,
+                                        len(caches), 1))
+        self.keys = keys.with_signature(sig)
+        self.sched = MooncakeStoreScheduler(cfg, keys, BLOCK)
+        self.sched.add_layout({0: sig})
+        self.tail = num_blocks - 1  # each prompt's last, partial block
+        self.plan = plan_group(caches, num_blocks, HEADS, 1).load
+        self._n = 0
+
+    def store(self, client: Any, hashes: list[bytes]) -> None:
+        """One-byte objects under the keys of `hashes`: lookups find them."""
+        buf = np.zeros(1, dtype=np.uint8)
+        client.register_buffer(buf.ctypes.data, 1)
+        keys = self.keys.all_shard_keys(hashes)
+        for i in range(0, len(keys), 1024):
+            part = keys[i:i + 1024]
+            rc = client.batch_put_from(part, [buf.ctypes.data] * len(part), [1] * len(part))
+            assert rc == [0] * len(part), f"storing the lookup keys failed: {set(rc)}"
+
+    def _request(self, hashes: list[bytes]) -> SimpleNamespace:
+        self._n += 1
+        n = len(hashes) * BLOCK + 1
+        return SimpleNamespace(request_id=f"r{self._n}", block_hashes=list(hashes),
+                               num_tokens=n, num_prompt_tokens=n, trace_headers=None)
+
+    def _ask(self, req: SimpleNamespace) -> tuple[int, bool]:
+        self.sched.prefetch(req)
+        while (res := self.sched.get_num_new_matched_tokens(req, 0))[0] is None:
+            time.sleep(0)
+        return res
+
+    def _step(self, new: list[Any]) -> Any:
+        return self.sched.build_connector_meta(SimpleNamespace(
+            preempted_req_ids=set(), scheduled_new_reqs=new,
+            num_scheduled_tokens={r.req_id: r.tokens for r in new},
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                                  new_block_ids=[], num_computed_tokens=[])))
+
+    def _prep(self, hashes: list[bytes], ids: list[int]) -> Any:
+        keys = self.keys.object_keys(hashes, self.plan.shards)
+        return keys, self.plan.addresses(self.plan.units(ids))
+
+    def hit(self, hashes: list[bytes], ids: list[int]) -> dict[str, tuple[float, float]]:
+        req = self._request(hashes)
+        out = {}
+        *out["lookup"], res = timed(lambda: self._ask(req))
+        assert res == (len(hashes) * BLOCK, True), f"lookup of {len(hashes)} blocks: {res}"
+        blocks = SimpleNamespace(get_block_ids=lambda: ([*ids, self.tail],))
+
+        def plan() -> Any:
+            self.sched.update_state_after_alloc(req, blocks, res[0])
+            return self._step([])
+
+        *out["plan"], meta = timed(plan)
+        assert sum(len(t.block_ids) for t in meta.loads) == len(ids), "not one load plan"
+        *out["load_prep"], _ = timed(lambda: self._prep(hashes, ids))
+        self.sched.update_connector_output(SimpleNamespace(finished_sending=None,
+                                                           finished_recving={req.request_id}))
+        self.sched.request_finished(req, [*ids, self.tail])
+        return out
+
+    def save(self, hashes: list[bytes], ids: list[int]) -> dict[str, tuple[float, float]]:
+        req = self._request(hashes)
+        assert self._ask(req) == (0, False), "a prompt to save was found in the store"
+        new = SimpleNamespace(req_id=req.request_id, block_ids=([*ids, self.tail],),
+                              num_computed_tokens=0, tokens=req.num_tokens)
+        self.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)),
+                                            0)
+        out = {}
+        *out["save_plan"], meta = timed(lambda: self._step([new]))
+        assert sum(len(t.block_ids) for t in meta.saves) == len(ids), "not one save plan"
+        *out["save_prep"], _ = timed(lambda: self._prep(hashes, ids))
+        self.sched.update_connector_output(SimpleNamespace(finished_sending={req.request_id},
+                                                           finished_recving=None))
+        self.sched.request_finished(req, [*ids, self.tail])
+        return out
+
+
+class InTree:
+    """vLLM's in-tree store layout (key and address preparation) on the same tensors."""
+
+    def __init__(self, caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+            KeyMetadata,
+            RankLocalStoreLayout,
+        )
+
+        self.layout = RankLocalStoreLayout(KeyMetadata("llama-70b", 0, 0, 0, 0), BLOCK, BLOCK)
+        self.layout.register_kv_caches(list(caches.values()), num_blocks)
+        assert len(self.layout.kv_caches_base_addr) == len(caches), "in-tree: a region per layer"
+
+    def run(self, hashes: list[bytes], ids: list[int]) -> dict[str, tuple[float, float]]:
+        out = {}
+        *out["keys"], _ = timed(lambda: [self.layout.key_for(0, h) for h in hashes])
+        chunks = [(i * BLOCK, (i + 1) * BLOCK) for i in range(len(ids))]
+        *out["prepare_values"], vals = timed(
+            lambda: self.layout.prepare_values(chunks, ids, [0] * len(chunks)))
+        assert len(vals[0]) == len(ids), "in-tree: not one descriptor per block"
+        return out
+
+
+def summarise(samples: dict[str, list[tuple[float, float]]], blocks: int) -> dict[str, Any]:
+    out = {}
+    for step, xs in samples.items():
+        wall, cpu = [x[0] for x in xs], [x[1] for x in xs]
+        out[step] = {"wall_ms": round(statistics.median(wall), 3),
+                     "wall_ms_range": [round(min(wall), 3), round(max(wall), 3)],
+                     "cpu_ms": round(statistics.median(cpu), 3),
+                     "cpu_ms_range": [round(min(cpu), 3), round(max(cpu), 3)],
+                     "wall_ms_per_1000_blocks": round(statistics.median(wall) / blocks * 1e3, 3)}
+    return out
+
+
+def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> dict[str, Any]:
+    """Every size's steps, `rounds` rounds after a warm-up round."""
+    most = max(tokens) // BLOCK
+    num_blocks = most + 2  # vLLM's null block 0, and each prompt's last, partial block
+    caches = kv_caches(num_blocks, layers)
+    hashes = [hashlib.sha256(f"ctl-{i}".encode()).digest() for i in range(most)]
+    fresh = [hashlib.sha256(f"ctl-save-{i}".encode()).digest() for i in range(most)]
+    ids = list(range(1, most + 1))
+    sizes = [t // BLOCK for t in tokens]
+    samples: dict[tuple[str, int], dict[str, list]] = {}
+    with local_pool("256MB") as (master, _node):
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        assert client.setup(HOST, master.metadata_server, 0, 64 * 2**20, "tcp", "",
+                            master.address) == 0
+        ours, intree = Ours(master, caches, num_blocks), InTree(caches, num_blocks)
+        ours.store(client, hashes)
+        others: list[float] = []
+        for rnd in range(rounds + 1):  # round 0 warms every path and is not kept
+            order = sizes[rnd % len(sizes):] + sizes[:rnd % len(sizes)]
+            meter = OthersMeter()
+            meter.start()
+            for n in order:
+                for name, res in (("ours", ours.hit(hashes[:n], ids[:n])),
+                                  ("ours", ours.save(fresh[:n], ids[:n])),
+                                  ("in_tree", intree.run(hashes[:n], ids[:n]))):
+                    for step, v in res.items():
+                        samples.setdefault((name, n), {}).setdefault(step, []).append(v)
+            others.append(meter.stop())
+            if not rnd:
+                for d in samples.values():
+                    for xs in d.values():
+                        xs.clear()
+        ours.sched.shutdown()
+        client.close()
+    out: dict[str, Any] = {"sizes": []}
+    for n in sizes:
+        row = {"tokens": n * BLOCK, "blocks": n, "ours": summarise(samples[("ours", n)], n),
+               "in_tree": summarise(samples[("in_tree", n)], n)}
+        o, i = row["ours"], row["in_tree"]
+        row["ours_end_to_end_ms"] = round(sum(o[s]["wall_ms"] for s in o), 3)
+        row["ours_comparable_ms"] = round(o["load_prep"]["wall_ms"], 3)
+        row["in_tree_comparable_ms"] = round(i["keys"]["wall_ms"] + i["prepare_values"]["wall_ms"],
+                                             3)
+        out["sizes"].append(row)
+    kept = others[1:]  # the rounds measured
+    return {**out, "others_cores": {"median": round(statistics.median(kept), 3),
+                                    "max": round(max(kept), 3)}}
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """The curve: each step's median against blocks, log-log, with the target line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["sizes"]
+    x = [r["blocks"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for side, steps in (("ours", rows[0]["ours"]), ("in_tree", rows[0]["in_tree"])):
+        for step in steps:
+            ax.plot(x, [r[side][step]["wall_ms"] for r in rows], marker="o" if side == "ours"
+                    else "s", linestyle="-" if side == "ours" else "--",
+                    label=f"{'ours' if side == 'ours' else 'in-tree'}: {step}")
+    ax.plot(x, [r["ours_end_to_end_ms"] for r in rows], color="black", linewidth=2,
+            label="ours: end to end")
+    ax.plot(x, [n * doc["target_ms_per_1000_blocks"] / 1e3 for n in x], color="red",
+            linestyle=":",
+            label=f"target: {doc['target_ms_per_1000_blocks']:g} ms per 1,000 blocks")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("blocks per request (16 tokens each)")
+    ax.set_ylabel("ms (median of rounds)")
+    ax.set_title("Control path per request, 70B-shaped layout (80 layers, 8 KV heads)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "control-path.json")
+    a = p.parse_args(argv)
+    result = run(a.rounds)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=REPO).stdout.strip()
+    doc = {"what": "bench/control_path.py: per-request control steps against prompt length",
+           "layout": {"layers": LAYERS, "kv_heads": HEADS, "head_size": HEAD_SIZE,
+                      "block_size": BLOCK, "dtype": "bfloat16", "tp": 1},
+           "rounds": a.rounds, "target_ms_per_1000_blocks": TARGET_MS_PER_1000_BLOCKS,
+           "commit": commit, "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           **result}
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc, a.out.with_suffix(".png"))
+    for row in result["sizes"]:
+        print(f"{row['tokens']:>7} tokens {row['blocks']:>5} blocks: ours "
+              + ", ".join(f"{s} {v['wall_ms']:.2f}" for s, v in row["ours"].items())
+              + " | in-tree " + ", ".join(f"{s} {v['wall_ms']:.2f}"
+                                          for s, v in row["in_tree"].items()) + " ms")
+    print("others_cores", result["others_cores"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
