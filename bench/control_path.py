@@ -36,7 +36,6 @@ import argparse
 import hashlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -47,12 +46,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.testbed import OthersMeter
+from bench.run import git_commit
+from bench.testbed import OthersMeter, Testbed, open_client
 from connector.config import load_config
 from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.keys import KeyBuilder, Layout, kv_signature
 from connector.worker.kv_regions import plan_group
-from devkit.local_cluster import HOST, local_pool
+from devkit.local_cluster import local_pool
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 80, 8, 128, 16
@@ -204,11 +204,7 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
     sizes = [t // BLOCK for t in tokens]
     samples: dict[tuple[str, int], dict[str, list]] = {}
     with local_pool("256MB") as (master, _node):
-        from mooncake.store import MooncakeDistributedStore
-
-        client = MooncakeDistributedStore()
-        assert client.setup(HOST, master.metadata_server, 0, 64 * 2**20, "tcp", "",
-                            master.address) == 0
+        client = open_client(Testbed(master.address, master.metadata_server))
         ours, intree = Ours(master, caches, num_blocks), InTree(caches, num_blocks)
         ours.store(client, hashes)
         others: list[float] = []
@@ -221,12 +217,10 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
                                   ("ours", ours.save(fresh[:n], ids[:n])),
                                   ("in_tree", intree.run(hashes[:n], ids[:n]))):
                     for step, v in res.items():
-                        samples.setdefault((name, n), {}).setdefault(step, []).append(v)
-            others.append(meter.stop())
-            if not rnd:
-                for d in samples.values():
-                    for xs in d.values():
-                        xs.clear()
+                        if rnd:
+                            samples.setdefault((name, n), {}).setdefault(step, []).append(v)
+            if rnd:
+                others.append(meter.stop())
         ours.sched.shutdown()
         client.close()
     out: dict[str, Any] = {"sizes": []}
@@ -239,9 +233,8 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
         row["in_tree_comparable_ms"] = round(i["keys"]["wall_ms"] + i["prepare_values"]["wall_ms"],
                                              3)
         out["sizes"].append(row)
-    kept = others[1:]  # the rounds measured
-    return {**out, "others_cores": {"median": round(statistics.median(kept), 3),
-                                    "max": round(max(kept), 3)}}
+    return {**out, "others_cores": {"median": round(statistics.median(others), 3),
+                                    "max": round(max(others), 3)}}
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -282,13 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "control-path.json")
     a = p.parse_args(argv)
     result = run(a.rounds)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO).stdout.strip()
     doc = {"what": "bench/control_path.py: per-request control steps against prompt length",
            "layout": {"layers": LAYERS, "kv_heads": HEADS, "head_size": HEAD_SIZE,
                       "block_size": BLOCK, "dtype": "bfloat16", "tp": 1},
            "rounds": a.rounds, "target_ms_per_1000_blocks": TARGET_MS_PER_1000_BLOCKS,
-           "commit": commit, "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "commit": git_commit(), "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            **result}
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
     plot(doc, a.out.with_suffix(".png"))

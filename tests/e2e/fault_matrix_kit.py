@@ -42,11 +42,10 @@ def poll(what: str, check: Callable[[], Any], timeout: float, every: float = 0.2
     deadline = time.monotonic() + timeout
     while True:
         try:
-            seen = check()
+            if seen := check():
+                return seen
         except OSError as e:
             seen = e
-        if seen and not isinstance(seen, OSError):
-            return seen
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:.0f}s (last seen: {seen!r})")
         time.sleep(every)
