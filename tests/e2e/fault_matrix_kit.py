@@ -299,42 +299,57 @@ def scheduler_paused(server: VllmServer) -> Iterator[None]:
 
 
 # ---- host stalls -----------------------------------------------------------------------------
-STALL_S = 0.1  # a run-queue wait this long is the host's, not contention: EEVDF slices are ms
+STALL_S = 0.1  # a stall this long is the host's, not contention: EEVDF slices are ms
 
 
 class HostStalls:
-    """When the host kept a runnable thread of this process off every CPU for over STALL_S
-    at a time: the kernel's run-queue wait (/proc/thread-self/schedstat) of a thread that
-    wakes every 10 ms. On these 2-core VMs, while a TP=2 engine's pinned ranks compute, every
-    other task was seen to wait tens of seconds at a stretch (docs/development.md); a request then
-    waits for the host, not for the store, and a bound on what the store costs it must not
-    count that. Contention on a fair scheduler (ms slices) stays far below STALL_S, and a
-    connector that hangs or spins is not a run-queue wait of this thread."""
+    """When the host kept a thread of this process from running for over STALL_S at a time,
+    though its timer had fired. A thread that wakes every 10 ms sees its run-queue wait
+    (/proc/thread-self/schedstat: runnable, every CPU busy elsewhere), or its wake-up late by
+    more than that, as far as the kernel counted steal meanwhile (/proc/stat: the VM's vCPUs
+    not running at all, which the guest's run queue never sees; a late wake-up with no steal,
+    such as this process's GIL, is not counted). On these 2-core VMs, while a TP=2 engine's
+    pinned ranks compute, every other task was seen to wait tens of seconds at a stretch
+    (docs/development.md); a request then waits for the host, not for the store, and a bound
+    on what the store costs it must not count that. Contention on a fair scheduler (ms slices)
+    stays far below STALL_S, and a connector that hangs or spins makes neither a run-queue
+    wait of this thread at that scale nor steal. `steal_s`: the steal counted over the whole
+    watch (every CPU's), recorded beside the stalls."""
 
     def __init__(self) -> None:
         self.stalls: list[tuple[float, float]] = []  # (start, end), time.monotonic()
+        self.steal_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="host-stalls")
+
+    @staticmethod
+    def _steal() -> float:
+        """Seconds of steal summed over the CPUs (/proc/stat's first line, USER_HZ ticks)."""
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
 
     def _watch(self) -> None:
         with open("/proc/thread-self/schedstat") as f:
             def waited() -> float:
                 f.seek(0)
                 return int(f.read().split()[1]) / 1e9
-            last = waited()
+            last, t_last, steal = waited(), time.monotonic(), self._steal()
             while not self._stop.wait(0.01):
-                now, w = time.monotonic(), waited()
-                if w - last > STALL_S:
-                    self.stalls.append((now - (w - last), now))
-                last = w
+                now, w, st = time.monotonic(), waited(), self._steal()
+                late = max(w - last, min(now - t_last - 0.01, st - steal))
+                if late > STALL_S:
+                    self.stalls.append((now - late, now))
+                last, t_last, steal = w, now, st
 
     def __enter__(self) -> HostStalls:
+        self._steal_at_start = self._steal()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.steal_s = round(self._steal() - self._steal_at_start, 2)
 
     def within(self, start: float, end: float) -> float:
         """Seconds of stall between `start` and `end` (time.monotonic())."""
