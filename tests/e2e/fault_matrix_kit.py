@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from connector.observability.metric_catalog import PREFIX as P
 from devkit.local_cluster import HOST, MooncakeMaster, StoreNode, free_port, segment_mounted
@@ -354,6 +355,27 @@ class HostStalls:
     def within(self, start: float, end: float) -> float:
         """Seconds of stall between `start` and `end` (time.monotonic())."""
         return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.stalls)
+
+
+def run_queue_s(pid: int) -> dict[str, float]:
+    """Seconds each process of `pid`'s tree (by name: the API server, EngineCore, the TP
+    ranks) has waited runnable for a CPU, over all its threads (schedstat). A diagnostic
+    beside HostStalls: the engine's processes can be starved while the test's probe is not,
+    and their spinning threads wait in the run queue legitimately, so it judges nothing."""
+    out: dict[str, float] = {}
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    for p in procs:
+        waited = 0.0
+        try:
+            name = p.name()
+            for tid in os.listdir(f"/proc/{p.pid}/task"):
+                with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                    waited += int(f.read().split()[1]) / 1e9
+        except (OSError, psutil.Error):  # a thread or process ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + waited
+    return out
 
 
 def record(path: str | Path, doc: dict[str, Any]) -> None:

@@ -67,6 +67,7 @@ from tests.e2e.fault_matrix_kit import (
     poll,
     prompts,
     record,
+    run_queue_s,
     scheduler_paused,
     send,
     series,
@@ -657,10 +658,12 @@ def test_cell(env: Env, fault: str) -> None:
             t1 = time.monotonic()
             result["computed_s"] = round(t1 - t0 - stalls.within(t0, t1), 3)
             env.computed.append(result["computed_s"])
-        before = m(env)
+        before, queued = m(env), run_queue_s(env.server.proc.pid)
         replies, evidence, since = CELLS[fault](env, work)
     result.update(evidence=evidence, http=sorted({r.status for r in replies}),
                   paid=paid(replies, stalls, since), vllm_s=vllm_split(delta(m(env), before)),
+                  engine_run_queue_s={k: round(v, 2) for k, v in delta(
+                      run_queue_s(env.server.proc.pid), queued).items()},
                   host_stalls_s=round(stalls.within(0.0, time.monotonic()), 2),
                   host_steal_s=stalls.steal_s)
     judge(env, replies, want, f"{fault} requests")
@@ -673,7 +676,8 @@ def test_cell(env: Env, fault: str) -> None:
         f"{result['paid']['max_s']:.2f} s in all), past the {bound:.2f} s the docs state for "
         f"it (wait: {WAITS.get(fault, 'none')}, slack {SLACK_S} s and {COMPUTE_SLACK} x the "
         f"computed pass); each request's seconds and stalls: {each}, steal "
-        f"{stalls.steal_s} s, vLLM's split {result['vllm_s']}, evidence {evidence}")
+        f"{stalls.steal_s} s, vLLM's split {result['vllm_s']}, the engine's run-queue waits "
+        f"{result['engine_run_queue_s']}, evidence {evidence}")
     result["recovery"] = recovered(env, probe_prompt(env.name, fault))
     if evidence.get("failed_loads"):  # the faulted step computed new blocks on failed loads
         result["stored_right"] = stored_right(env, stored, work)
