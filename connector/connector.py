@@ -113,7 +113,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker = None
         self.kv_events: Any = None  # StoreEventLog (scheduler) or WorkerLanded (worker)
         try:
-            from connector.observability.kv_events import event_settings
+            from connector.observability.kv_event_settings import event_settings
 
             self._event_settings = event_settings(self.config,
                                                   getattr(vllm_config, "kv_events_config", None))

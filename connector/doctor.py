@@ -313,7 +313,8 @@ def check_kv_events(ctx: Context) -> str:
     answers (a sweep that never does leaves removals to lookups alone)."""
     from types import SimpleNamespace
 
-    from connector.observability.kv_events import event_settings, query_keys
+    from connector.observability.kv_event_settings import event_settings
+    from connector.store.master_http import query_keys
 
     vllm_on = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint=None,
                               replay_endpoint=None)

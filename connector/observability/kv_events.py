@@ -28,12 +28,9 @@ step or a save: workers only append to a deque, the sweep runs on its own thread
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import threading
 import time
-import urllib.parse
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -48,70 +45,12 @@ from vllm.distributed.kv_events import (
     KVConnectorKVEvents,
 )
 
-from connector.config import EXTRA, ConfigError, ConnectorConfig
+from connector.observability.kv_event_settings import EventSettings
+from connector.store.master_http import MasterKeys
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
-MASTER_HTTP_PORT = 9003  # Mooncake's default --metrics_port (its HTTP admin server)
 SWEEP_BATCH = 64  # blocks per /batch_query_keys request
-_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-@dataclass(frozen=True)
-class EventSettings:
-    """What the store's events say and how they are gathered (validated)."""
-
-    medium: str
-    locality: str | None
-    sweep_s: float  # 0: no sweep
-    master_http: str  # host:port of the master's HTTP admin port ("" without a sweep)
-    queue: int
-    max_live: int
-    sweep_off: str = ""  # why the sweep is off though kv_events_sweep_s asked for one
-
-
-
-def event_settings(config: ConnectorConfig, kv_events_config: Any) -> EventSettings | None:
-    """The events this engine publishes (None: none), from the connector's keys and vLLM's
-    `--kv-events-config`. A combination that cannot work is a ConfigError naming the field."""
-    mode = config.kv_events
-    vllm_on = bool(kv_events_config and kv_events_config.enable_kv_cache_events)
-    publisher = getattr(kv_events_config, "publisher", None) if vllm_on else None
-    if mode == "off" or (mode == "auto" and (not vllm_on or publisher == "null")):
-        return None
-    if not vllm_on:
-        raise ConfigError(
-            f"{EXTRA}.kv_events: 'on', but --kv-events-config does not enable vLLM's KV "
-            "events; add --kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": "
-            "\"zmq\", \"endpoint\": \"tcp://*:5557\"}' or set kv_events to auto or off")
-    if publisher == "null":
-        raise ConfigError(
-            "--kv-events-config.publisher: 'null' discards every event, so kv_events: 'on' "
-            "reaches no router; set \"publisher\": \"zmq\" or kv_events to auto or off")
-    for name in ("endpoint", "replay_endpoint"):
-        ep = getattr(kv_events_config, name, None)
-        if publisher == "zmq" and ep is not None and not str(ep).startswith(_ENDPOINT_SCHEMES):
-            raise ConfigError(
-                f"--kv-events-config.{name}: {ep!r} is not a ZMQ endpoint; use "
-                "tcp://*:5557 (or ipc://...)")
-    sweep_s, http, off = config.kv_events_sweep_s, config.kv_events_master_http, ""
-    # A sweep that cannot work is turned off, not the engine: removals then come from lookups
-    # alone (an upgrade must not stop a deployment that served before the sweep existed).
-    if sweep_s > 0 and config.store.tenant_id != "default":
-        off = (f"{EXTRA}.kv_events_sweep_s: the master's HTTP key query sees only the default "
-               f"tenant, not tenant_id {config.store.tenant_id!r}: no sweep, removals come "
-               "from lookups only; set kv_events_sweep_s to 0 to say so")
-    elif sweep_s > 0 and not http and config.store.ha:
-        off = (f"{EXTRA}.kv_events_master_http: an HA master group has no fixed admin "
-               "address: no sweep, removals come from lookups only; set it to the masters' "
-               "service host:port of --metrics_port, or kv_events_sweep_s to 0")
-    elif sweep_s > 0 and not http:
-        http = f"{config.store.master_server_address.rsplit(':', 1)[0]}:{MASTER_HTTP_PORT}"
-    if off:
-        sweep_s = 0.0
-    locality = None if config.kv_events_locality == "none" else config.kv_events_locality.upper()
-    return EventSettings(config.kv_events_medium, locality, sweep_s, http if sweep_s else "",
-                         config.kv_events_queue, config.kv_events_max_live, off)
 
 
 def vllm_clears(pool: Any) -> bool:
@@ -456,53 +395,6 @@ class StoreEventLog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-
-
-class MasterKeys:
-    """Which keys the master holds a complete replica of (memory or disk), from its HTTP admin
-    port's /batch_query_keys (grants no lease), over one kept-alive connection. Raises on any
-    failure (and reconnects on the next query)."""
-
-    def __init__(self, master_http: str, timeout: float = 5.0) -> None:
-        host, _, port = master_http.rpartition(":")
-        self._host, self._port, self._timeout = host, int(port), timeout
-        self._conn: http.client.HTTPConnection | None = None
-
-    def query(self, keys: Sequence[str]) -> dict[str, bool]:
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection(self._host, self._port,
-                                                    timeout=self._timeout)
-        try:
-            self._conn.request("GET", "/batch_query_keys?keys="
-                               + urllib.parse.quote(",".join(keys), safe=""))
-            resp = self._conn.getresponse()
-            raw = resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"batch_query_keys answered HTTP {resp.status}")
-        except Exception:
-            self.close()
-            raise
-        body = json.loads(raw)
-        if not body.get("success"):
-            raise RuntimeError(f"batch_query_keys answered {str(body)[:200]}")
-        data = body.get("data") or {}
-        return {k: bool(v.get("ok") and (v.get("values") or v.get("disk_values")
-                                         or v.get("local_disk_values")))
-                for k, v in data.items()}
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-
-def query_keys(master_http: str, keys: Sequence[str], timeout: float = 5.0) -> dict[str, bool]:
-    """One query of `MasterKeys` on a connection of its own."""
-    client = MasterKeys(master_http, timeout)
-    try:
-        return client.query(keys)
-    finally:
-        client.close()
 
 
 def _extra_keys(request: Any, start: int, end: int) -> Any:

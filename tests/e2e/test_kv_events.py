@@ -30,7 +30,8 @@ import time
 
 import pytest
 
-from connector.observability.kv_events import external_hash, query_keys
+from connector.observability.kv_events import external_hash
+from connector.store.master_http import query_keys
 from devkit.local_cluster import HOST, local_pool
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import block_hashes, engine_extra, layout_fingerprint, store_keys

@@ -19,15 +19,11 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from connector.config import load_config
 from connector.metadata import BlockTransfer, StepMetadata
-from connector.observability.kv_events import (
-    EventSettings,
-    StoreEventLog,
-    WorkerLanded,
-    external_hash,
-    query_keys,
-)
+from connector.observability.kv_event_settings import EventSettings
+from connector.observability.kv_events import StoreEventLog, WorkerLanded, external_hash
 from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.keys import KeyBuilder, Layout
+from connector.store.master_http import query_keys
 from connector.worker.worker import MooncakeStoreWorker
 from devkit.local_cluster import HOST, free_port, local_pool
 from tests.worker_kit import LAYERS, NUM_BLOCKS, hashes, kv_caches, run_step

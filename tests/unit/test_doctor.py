@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from connector.config import ConfigError
 from connector.doctor import Check, CheckFailed, Context, _kv_transfer_config, main, run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ctx() -> Context:
@@ -61,3 +66,22 @@ def test_missing_master_is_the_config_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("FAIL config") and "master_server_address: not set" in lines[0]
     assert all(line.startswith("SKIP") for line in lines[1:])
+
+
+def test_the_kv_events_check_imports_no_vllm():
+    """The kv events check (its settings and the sweep's answer) runs without importing vLLM
+    or torch: their import was most of a doctor run with kv events on."""
+    code = (
+        "import sys\n"
+        "from connector.config import load_config\n"
+        "from connector.doctor import Context, check_kv_events\n"
+        "ctx = Context(extra={}, environ={}, metrics_port=9003, min_segments=1, timeout=1.0)\n"
+        "ctx.cfg = load_config({'master_server_address': '127.0.0.1:50051', "
+        "'metadata_server': 'P2PHANDSHAKE', 'kv_events': 'on', 'kv_events_sweep_s': 0}, {})\n"
+        "print(check_kv_events(ctx))\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch'}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("medium STORAGE") and lines[-1] == "[]", out.stdout

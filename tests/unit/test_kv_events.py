@@ -16,12 +16,11 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from connector.config import ConfigError, load_config
+from connector.observability.kv_event_settings import EventSettings, event_settings
 from connector.observability.kv_events import (
-    EventSettings,
     LandedShards,
     StoreEventLog,
     WorkerLanded,
-    event_settings,
     external_hash,
     vllm_clears,
 )

@@ -1,0 +1,72 @@
+"""Which store KV events an engine publishes, from the connector's keys and vLLM's
+`--kv-events-config` (observability.kv_events makes them): validated here, without importing
+vLLM, so the preflight (connector.doctor) checks them without paying for vLLM's import, which
+was most of its run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from connector.config import EXTRA, ConfigError, ConnectorConfig
+
+MASTER_HTTP_PORT = 9003  # Mooncake's default --metrics_port (its HTTP admin server)
+_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class EventSettings:
+    """What the store's events say and how they are gathered (validated)."""
+
+    medium: str
+    locality: str | None
+    sweep_s: float  # 0: no sweep
+    master_http: str  # host:port of the master's HTTP admin port ("" without a sweep)
+    queue: int
+    max_live: int
+    sweep_off: str = ""  # why the sweep is off though kv_events_sweep_s asked for one
+
+
+
+def event_settings(config: ConnectorConfig, kv_events_config: Any) -> EventSettings | None:
+    """The events this engine publishes (None: none), from the connector's keys and vLLM's
+    `--kv-events-config`. A combination that cannot work is a ConfigError naming the field."""
+    mode = config.kv_events
+    vllm_on = bool(kv_events_config and kv_events_config.enable_kv_cache_events)
+    publisher = getattr(kv_events_config, "publisher", None) if vllm_on else None
+    if mode == "off" or (mode == "auto" and (not vllm_on or publisher == "null")):
+        return None
+    if not vllm_on:
+        raise ConfigError(
+            f"{EXTRA}.kv_events: 'on', but --kv-events-config does not enable vLLM's KV "
+            "events; add --kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": "
+            "\"zmq\", \"endpoint\": \"tcp://*:5557\"}' or set kv_events to auto or off")
+    if publisher == "null":
+        raise ConfigError(
+            "--kv-events-config.publisher: 'null' discards every event, so kv_events: 'on' "
+            "reaches no router; set \"publisher\": \"zmq\" or kv_events to auto or off")
+    for name in ("endpoint", "replay_endpoint"):
+        ep = getattr(kv_events_config, name, None)
+        if publisher == "zmq" and ep is not None and not str(ep).startswith(_ENDPOINT_SCHEMES):
+            raise ConfigError(
+                f"--kv-events-config.{name}: {ep!r} is not a ZMQ endpoint; use "
+                "tcp://*:5557 (or ipc://...)")
+    sweep_s, http, off = config.kv_events_sweep_s, config.kv_events_master_http, ""
+    # A sweep that cannot work is turned off, not the engine: removals then come from lookups
+    # alone (an upgrade must not stop a deployment that served before the sweep existed).
+    if sweep_s > 0 and config.store.tenant_id != "default":
+        off = (f"{EXTRA}.kv_events_sweep_s: the master's HTTP key query sees only the default "
+               f"tenant, not tenant_id {config.store.tenant_id!r}: no sweep, removals come "
+               "from lookups only; set kv_events_sweep_s to 0 to say so")
+    elif sweep_s > 0 and not http and config.store.ha:
+        off = (f"{EXTRA}.kv_events_master_http: an HA master group has no fixed admin "
+               "address: no sweep, removals come from lookups only; set it to the masters' "
+               "service host:port of --metrics_port, or kv_events_sweep_s to 0")
+    elif sweep_s > 0 and not http:
+        http = f"{config.store.master_server_address.rsplit(':', 1)[0]}:{MASTER_HTTP_PORT}"
+    if off:
+        sweep_s = 0.0
+    locality = None if config.kv_events_locality == "none" else config.kv_events_locality.upper()
+    return EventSettings(config.kv_events_medium, locality, sweep_s, http if sweep_s else "",
+                         config.kv_events_queue, config.kv_events_max_live, off)
