@@ -46,13 +46,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.run import git_commit
 from bench.testbed import OthersMeter, Testbed, open_client
 from connector.config import load_config
 from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.keys import KeyBuilder, Layout, kv_signature
 from connector.worker.kv_regions import plan_group
 from devkit.local_cluster import local_pool
+from devkit.provenance import git_commit
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 80, 8, 128, 16

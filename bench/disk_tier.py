@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from typing import Any
 
 from bench.engine import make_prompts, stream_ttft
 from devkit.local_cluster import HOST, MooncakeMaster, StoreNode
+from devkit.provenance import git_commit
 from devkit.vllm_server import (
     BLOCK_SIZE,
     REPO,
@@ -56,14 +56,6 @@ LEASE_MS = 500  # blocks become evictable this long after their last use
 
 def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def _commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                       text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-    return r.stdout.strip() + ("-dirty" if dirty else "")
 
 
 class Bench:
@@ -212,7 +204,7 @@ def run(rounds: int, segment_mb: int, layers: int, hidden: int, prompt_tokens: i
         return {"median": round(statistics.median(vals), 3), "min": min(vals), "max": max(vals)}
 
     return {
-        "meta": {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "wall_s": round(wall),
+        "meta": {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "wall_s": round(wall),
                  "host": {"cpus": os.cpu_count(), "loadavg_start": load_start,
                           "loadavg_end": load_end},
                  # Noisy, as in bench.serve: a load average over the core count.

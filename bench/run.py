@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from devkit.provenance import git_commit
+
 # Mooncake's TCP transport queues at most ~1024 transfers per peer by default; one transfer
 # is one (key, region) pair, so a 1024-block job over an 8-layer cache (8192 regions), or 8
 # threads of 32-block jobs, overflows it: the overflow fails with -800 after a 60 s stall.
@@ -33,21 +35,6 @@ from typing import Any
 TCP_QUEUE_ENV = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
                  "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
 log = logging.getLogger("bench")
-
-
-def git_commit() -> str:
-    """The checkout's commit (with '+dirty' for uncommitted changes), so a JSON names its code."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 def _floats(s: str) -> list[float]:

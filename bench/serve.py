@@ -46,11 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.reference_get import ReferenceGet
-from bench.run import TCP_QUEUE_ENV, git_commit
+from bench.run import TCP_QUEUE_ENV
 from bench.serve_stats import breakdown_of, breakdown_rows, evaluate, summarize
 from bench.testbed import OthersMeter
 from bench.tune import save_figure
 from devkit.local_cluster import MooncakeMaster, StoreNode
+from devkit.provenance import git_commit
 from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import (
     BLOCK_SIZE,

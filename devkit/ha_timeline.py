@@ -37,6 +37,7 @@ from connector.config import load_config
 from connector.store.client import MASTER_DOWN_CODES, StoreHandle, etcd_leader
 from devkit.ha_cluster import HaCluster, HaMaster
 from devkit.local_cluster import segment_mounted
+from devkit.provenance import git_commit
 
 OBJECT_BYTES = 64 * 2**10
 RECORD_ENV = "MCPOOL_FAILOVER_RECORD"  # path: the HA tests add their figures to it
@@ -48,8 +49,7 @@ def record(section: str, data: dict[str, Any], path: str | None = None) -> None:
     path = path or os.environ.get(RECORD_ENV)
     if not path:
         return
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     doc = json.loads(Path(path).read_text()) if Path(path).exists() else {}
     doc[section] = {**data, "commit": commit, "host": f"{platform.machine()} "
                     f"{os.cpu_count()} CPUs", "mooncake": _mooncake_version()}

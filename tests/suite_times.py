@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from devkit import vllm_server
+from devkit.provenance import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "suite-times.json"
@@ -101,8 +101,7 @@ class SuiteTimes:
 
 def run_meta() -> dict:
     """What the figures were measured on."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                            capture_output=True).stdout.strip()
+    commit = git_commit()
     model = next((line.split(":", 1)[1].strip() for line in
                   Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor())
