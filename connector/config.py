@@ -187,6 +187,12 @@ KEYS: tuple[Key, ...] = (
         "a scheduler lookup slower than this is a miss, counted from when vLLM first asks "
         "about the request (the lookup starts when the request arrives)",
         lo=0.001, hi=600),
+    Key("lookup_ahead", "int", 16,
+        "lookups started for arriving requests vLLM has not asked about yet, at most; later "
+        "arrivals start theirs in arrival order as those are asked about or finish, or when "
+        "vLLM asks about them first (a request it asks about waits behind at most this many "
+        "lookups; 0: every lookup starts when vLLM asks)",
+        lo=0, hi=100_000),
     Key("lookup_wait_ms", "float", 5.0,
         "budget per engine step for waiting on lookups, shared by every waiting request "
         "(lookups start when a request arrives; one not done is asked again next step)",
@@ -464,6 +470,7 @@ class ConnectorConfig:
     enable_store_tp_lcm: bool = _d("enable_store_tp_lcm")
     prefill_tp_sizes: tuple[int, ...] | None = _d("prefill_tp_sizes")
     lookup_timeout_s: float = _d("lookup_timeout_s")
+    lookup_ahead: int = _d("lookup_ahead")
     lookup_wait_ms: float = _d("lookup_wait_ms")
     enable_save: bool = _d("enable_save")
     enable_load: bool = _d("enable_load")

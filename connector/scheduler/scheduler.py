@@ -9,7 +9,12 @@ A lookup starts when its request arrives (`prefetch`), so its answer is usually 
 vLLM reaches the request in its waiting queue; its `lookup_timeout_s` counts from when vLLM
 first asks about the request. Counted from arrival, a burst of arrivals that queued lookups
 behind each other made the later ones start past their deadline, skip their store call and
-answer "timeout": requests whose prefix was stored were recomputed.
+answer "timeout": requests whose prefix was stored were recomputed. Look-ahead is bounded:
+at most `lookup_ahead` lookups of requests vLLM has not asked about yet, the next arrivals
+starting theirs in arrival order as those are asked about or finish. Unbounded, a flood of
+arrivals queued every lookup on the executor, so a request vLLM asked about out of arrival
+order (a priority, a long queue) waited behind all of them, past its deadline; and the master
+answered, and leased blocks, for requests minutes from being scheduled.
 
 Against a master that is slow but answers, dead lookups must not pile up ahead of live ones: a
 lookup that times out is cancelled if it has not started, one that starts past its deadline
@@ -34,6 +39,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +117,8 @@ class MooncakeStoreScheduler:
                                       "master_probe_errors", 0))
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
         self._lookups: dict[str, _Lookup] = {}
+        self._ahead: set[str] = set()  # lookups started before vLLM asked (lookup_ahead)
+        self._arrived: OrderedDict[str, Any] = OrderedDict()  # arrivals waiting for a turn
         self._abandoned: list[cf.Future] = []  # timed out or finished while running
         self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
         self._seen: dict[str, float] = {}  # req_id -> when its lookup began (perf_counter)
@@ -186,10 +194,28 @@ class MooncakeStoreScheduler:
         return (request.num_tokens - 1) // self._block_size
 
     def prefetch(self, request: Any) -> None:
-        """Start the lookup when the request arrives, so the scheduler rarely has to wait."""
+        """Start the lookup when the request arrives, so the scheduler rarely has to wait; or,
+        with `lookup_ahead` lookups of requests vLLM has not asked about running or answered,
+        once its turn comes."""
         if self.config.enable_load and self._keys_ready and self._lookup_range(request) > 0:
             self.clock.arrived(request.request_id, getattr(request, "trace_headers", None))
-            self._submit(request.request_id, request.block_hashes[:self._lookup_range(request)])
+            self._arrived[request.request_id] = request
+            self._look_ahead()
+
+    def _look_ahead(self) -> None:
+        """Start the lookups of the earliest arrivals while fewer than `lookup_ahead` lookups
+        wait for vLLM to ask."""
+        while self._arrived and len(self._ahead) < self.config.lookup_ahead:
+            rid, request = self._arrived.popitem(last=False)
+            if self._submit(rid, request.block_hashes[:self._lookup_range(request)]):
+                self._ahead.add(rid)
+
+    def _asked(self, rid: str) -> None:
+        """vLLM reached `rid`, or it finished: it no longer waits for, or holds, a turn."""
+        self._arrived.pop(rid, None)
+        if rid in self._ahead:
+            self._ahead.discard(rid)
+            self._look_ahead()
 
     def _submit(self, rid: str, hashes: Sequence[bytes]) -> _Lookup | None:
         lk = self._lookups.get(rid)
@@ -210,6 +236,7 @@ class MooncakeStoreScheduler:
                                    ) -> tuple[int | None, bool]:
         if not self.config.enable_load:
             return 0, False
+        self._asked(request.request_id)
         if not self._keys_ready:
             return (None, False) if self._layout_pending() else (0, False)
         max_blocks = self._lookup_range(request)
@@ -457,6 +484,7 @@ class MooncakeStoreScheduler:
         one with saves is freed once every rank reports it in finished_sending.
         """
         rid = request.request_id
+        self._asked(rid)
         self._hits.pop(rid, None)
         self._seen.pop(rid, None)
         self._tracked.pop(rid, None)

@@ -300,3 +300,32 @@ def test_timed_out_lookups_do_not_hold_up_new_ones(master, store_node, store_cli
         s.shutdown()
     finally:
         proxy.stop()
+
+
+def test_a_flood_of_arrivals_looks_ahead_a_bounded_way(master, store_node, store_client):
+    """300 requests arrive at once against a master 20 ms away, and vLLM asks first about the
+    last one (a priority, or a queue it reaches out of order): its lookup waits behind at most
+    `lookup_ahead` (16 by default) lookups of requests not asked about yet, not behind all 300
+    (two lookup threads: about 3 s, past its 1 s deadline, a stored prefix recomputed). The
+    others start theirs in arrival order as earlier ones are asked about or finish."""
+    from bench.proxy import DelayProxy
+
+    proxy = DelayProxy(master.address, rtt_ms=20.0).start()
+    s = make(master, master_server_address=proxy.address, lookup_timeout_s=1.0,
+             lookup_wait_ms=1)
+    try:
+        flood = [request(f"f{i}", hashes(f"flood{i}", 4), 4 * BS + 1) for i in range(300)]
+        hs = hashes("asked-first", 4)
+        store_blocks(store_client, s, hs)
+        target = request("first", hs, 4 * BS + 1)
+        for r in (*flood, target):
+            s.prefetch(r)
+        assert len(s._lookups) == s.config.lookup_ahead == 16  # the rest wait for a turn
+        assert ask(s, target) == (4 * BS, True), lookup_counts(s)
+        for r in flood[:20]:  # vLLM reaches the head of the queue: turns pass down it
+            ask(s, r)
+        assert set(s._lookups) >= {r.request_id for r in flood[20:36]}, sorted(s._lookups)
+        assert lookup_counts(s).get("lookups|timeout", 0) == 0, lookup_counts(s)
+    finally:
+        s.shutdown()
+        proxy.stop()
