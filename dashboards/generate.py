@@ -459,7 +459,10 @@ ERRORS_AND_STORE = Dash(
               "Scheduler-side prefix lookup in the store (all TP namespaces).", width=6),
             P("Scheduler lookups by result", "ops", (
                 (rate(series("lookups"), "result"), "{{result}}"),
-            ), "Lookups per second by result (hit, miss, error, timeout).", width=6),
+                (rate(series("lookups_deferred")), "deferred (waited for a look-ahead turn)"),
+            ), "Lookups per second by result (hit, miss, error, timeout), and arrivals whose "
+               "lookup waited for a turn (lookup_ahead lookups of requests vLLM had not reached "
+               "were out already).", width=6),
             P("Keys probed by scheduler lookups", "ops", (
                 (rate(series("lookup_keys")), "keys probed"),
             ), "Store keys (blocks x TP namespaces) the scheduler asks the master about per "

@@ -111,6 +111,8 @@ FAMILIES: tuple[Family, ...] = (
            "How much lookup traffic does the master get?"),
     Family("lookups", "counter", ("cache_prefix", "result", "tenant"), "Scheduler lookups by result: hit, miss, error or timeout; cache_prefix is the tenant's key prefix.",
            "Does the store find prefixes at all, for each tenant?"),
+    Family("lookups_deferred", "counter", (), "Arriving requests whose lookup waited for a turn: lookup_ahead lookups of requests vLLM had not asked about were running or answered already (it starts in arrival order as those are asked about or finish, or when vLLM asks about it).",
+           "Does the look-ahead bound hold lookups back (raise lookup_ahead)?"),
     Family("lookup_hit_tokens", "counter", ("cache_prefix", "tenant"), "Prompt tokens found in the store.",
            "How much prefill does the store save?"),
     Family("lookup_miss_tokens", "counter", ("cache_prefix", "tenant"), "Prompt tokens looked up but not found (tokens queried = hit + miss).",
@@ -190,7 +192,8 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     """Stats keys exported as 0 from startup, so dashboards show 0 rather than "No data" and
     rate() alerts work from the first scrape. Lookups run on the scheduler (rank 0 labels).
     `tiers`: the per-tier series too (tier_metrics is on)."""
-    keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens"]
+    keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens",
+                                                       "lookups_deferred"]
     keys += [f"kv_events|{k}" for k in KV_EVENT_KINDS[:2]]
     keys += [f"kv_events_dropped|{k}" for k in KV_EVENT_KINDS]
     keys += [f"kv_events_removals|{s}" for s in KV_REMOVAL_SOURCES]

@@ -201,6 +201,8 @@ class MooncakeStoreScheduler:
             self.clock.arrived(request.request_id, getattr(request, "trace_headers", None))
             self._arrived[request.request_id] = request
             self._look_ahead()
+            if request.request_id in self._arrived:
+                self.recorder.count("lookups_deferred")
 
     def _look_ahead(self) -> None:
         """Start the lookups of the earliest arrivals while fewer than `lookup_ahead` lookups

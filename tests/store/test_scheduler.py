@@ -321,6 +321,7 @@ def test_a_flood_of_arrivals_looks_ahead_a_bounded_way(master, store_node, store
         for r in (*flood, target):
             s.prefetch(r)
         assert len(s._lookups) == s.config.lookup_ahead == 16  # the rest wait for a turn
+        assert s.recorder.snapshot().data["c"]["lookups_deferred"] == 301 - 16  # on /metrics
         assert ask(s, target) == (4 * BS, True), lookup_counts(s)
         for r in flood[:20]:  # vLLM reaches the head of the queue: turns pass down it
             ask(s, r)
