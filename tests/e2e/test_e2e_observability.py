@@ -99,6 +99,9 @@ def test_every_family_has_samples(burst):
     # startup (tests/e2e/test_kv_events.py sees them move).
     zero_when_healthy |= {"kv_events", "kv_events_dropped", "kv_events_removals",
                           "kv_events_sweeps"}
+    # Arrivals past lookup_ahead (16) unasked lookups: whether the burst's arrivals outrun the
+    # scheduler that far depends on timing (tests/store/test_scheduler.py floods it).
+    either = {"lookups_deferred"}
     for fam in FAMILIES:
         got = samples_of(after, fam)
         if fam.key in tier_only:
@@ -107,7 +110,8 @@ def test_every_family_has_samples(burst):
         assert got, f"{fam.exported} missing from /metrics"
         if fam.key in zero_when_healthy:
             assert all(v == 0 for v in got.values()), (fam.exported, got)
-        elif fam.kind != "gauge":  # the burst includes a failed load, so failures count too
+        elif fam.kind != "gauge" and fam.key not in either:
+            # the burst includes a failed load, so failures count too
             assert any(v > 0 for v in got.values()), f"{fam.exported} has no non-zero sample"
     assert metric_sum(after, PREFIX + "failures_total", op="load", code="-600") >= 1
     assert metric_sum(after, PREFIX + "save_skipped_keys_total") > 0
