@@ -531,6 +531,37 @@ def frozen_node(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, flo
     return replies, {"lookup_hits": hits, **ev}, 0.0
 
 
+def after_lookups(env: Env, work: list[list[int]], fault: Callable[[], object]
+                  ) -> tuple[list[Reply], float, float]:
+    """The requests sent with vLLM's scheduler paused, its queue kept (`scheduler_paused`):
+    once the master answered one batch existence check per request and KV cache group, and
+    no request can have loaded, `fault()` runs, then the scheduler resumes. Returns the
+    replies, the seconds until the lookups were answered, and when the scheduler resumed."""
+    replies: list[Reply] = []
+    with scheduler_paused(env.server):
+        rpcs0, lookups = env.store.exist_rpcs(), len(work) * env.row.groups
+        sent = time.monotonic()
+        sender = threading.Thread(target=lambda: replies.extend(burst(env.server, work)))
+        sender.start()
+        seen: list[float] = []
+
+        def answered() -> bool:
+            seen.append(env.store.exist_rpcs() - rpcs0)
+            return seen[-1] >= lookups
+
+        try:
+            poll(f"the master answers {lookups} existence checks (one per request and KV "
+                 "cache group)", answered, 120.0, every=0.05)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {seen[-1]:.0f} answered") from None
+        looked_up_s = time.monotonic() - sent
+        fault()
+        assert not replies, "a request completed while the scheduler was paused"
+        resumed = time.monotonic()
+    sender.join()
+    return replies, looked_up_s, resumed
+
+
 def killed_node(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
     """SIGKILL the store node: the master still lists its objects (until its client TTL),
     so lookups hit and each load fails at the transfer. The node dies once the lookups were
@@ -538,17 +569,8 @@ def killed_node(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, flo
     run saw a lookup miss (most likely held by a host stall past the row's client TTL, when
     the master drops a dead node's objects), and the cell tests failed loads, not misses."""
     before = m(env)
-    replies: list[Reply] = []
     try:
-        with scheduler_paused(env.server):
-            rpcs0, lookups = env.store.exist_rpcs(), len(work) * env.row.groups
-            sender = threading.Thread(target=lambda: replies.extend(burst(env.server, work)))
-            sender.start()
-            poll(f"the master answers {lookups} existence checks",
-                 lambda: env.store.exist_rpcs() - rpcs0 >= lookups, 120.0, every=0.05)
-            env.store.kill_node()
-            resumed = time.monotonic()
-        sender.join()
+        replies, _, resumed = after_lookups(env, work, env.store.kill_node)
         d = delta(m(env), before)
     finally:  # the next cells need a node, whatever this one finds
         env.store.replace_node()
@@ -568,29 +590,12 @@ def removed(env: Env, work: list[list[int]]) -> tuple[list[Reply], dict, float]:
     nothing (deterministic: the lookups are known done, and no load can start before the
     resume, however slow the host)."""
     before = m(env)
-    replies: list[Reply] = []
-    with scheduler_paused(env.server):
-        rpcs0, lookups = env.store.exist_rpcs(), len(work) * env.row.groups
-        sent = time.monotonic()
-        sender = threading.Thread(target=lambda: replies.extend(burst(env.server, work)))
-        sender.start()
-        seen: list[float] = []
 
-        def answered() -> bool:
-            seen.append(env.store.exist_rpcs() - rpcs0)
-            return seen[-1] >= lookups
-
-        try:
-            poll(f"the master answers {lookups} existence checks (one per request and KV "
-                 "cache group)", answered, 120.0, every=0.05)
-        except AssertionError as e:
-            raise AssertionError(f"{e}: {seen[-1]:.0f} answered") from None
-        looked_up_s = time.monotonic() - sent
+    def remove() -> None:
         gone = env.store.remove_all()
         assert gone == 0, f"the master still lists {gone} keys"
-        assert not replies, "a request completed while the scheduler was paused"
-        resumed = time.monotonic()
-    sender.join()
+
+    replies, looked_up_s, resumed = after_lookups(env, work, remove)
     d = delta(m(env), before)
     hits = looked_up_and_hit(d, len(work))
     ev = failed_loads(d, env)
