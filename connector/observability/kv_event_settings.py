@@ -28,7 +28,6 @@ class EventSettings:
     sweep_off: str = ""  # why the sweep is off though kv_events_sweep_s asked for one
 
 
-
 def event_settings(config: ConnectorConfig, kv_events_config: Any) -> EventSettings | None:
     """The events this engine publishes (None: none), from the connector's keys and vLLM's
     `--kv-events-config`. A combination that cannot work is a ConfigError naming the field."""
