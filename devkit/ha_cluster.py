@@ -13,7 +13,7 @@ Clients must use the masters' cluster id (`MC_STORE_CLUSTER_ID`), else their set
 A master that exits on its own is started again by a supervisor thread, as Kubernetes'
 `restartPolicy: Always` does for the chart's masters: a promoted standby whose RPC port was
 taken exits with status 255, and without a restart no master serves again. The masters' RPC
-ports are chosen where no outgoing connection can take them (`service_port`). A master that
+ports are chosen where no outgoing connection can take them (`free_port`). A master that
 the caller kills or stops is left alone (`restart` brings it back).
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from connector.config import CLUSTER_ID_ENV
 from connector.store.client import RPC_CONNECT_TIMEOUT_ENV, RPC_TIMEOUT_ENV
-from devkit.local_cluster import MooncakeMaster, StoreNode, _binary, free_port, service_port
+from devkit.local_cluster import MooncakeMaster, StoreNode, _binary, free_port
 from devkit.processes import HOST, spawn, stop_process, wait_http
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class HaMaster(MooncakeMaster):
     """One `mooncake_master` of an HA group. Its admin port (metrics_port) serves /metrics,
     /role (leader | standby), /ha_status and /health (JSON with role and service_ready)."""
 
-    rpc_port: int = field(default_factory=service_port)  # bound only once promoted
+    rpc_port: int = field(default_factory=free_port)  # bound only once promoted
     etcd_endpoints: str = ""
     cluster_id: str = ""
     wrap: tuple[str, ...] = ()  # argv prefix, e.g. ("ip", "netns", "exec", NS)

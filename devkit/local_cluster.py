@@ -25,14 +25,6 @@ from pathlib import Path
 
 from devkit.processes import HOST, spawn, stop_process, wait_port
 
-
-def free_port() -> int:
-    """A currently free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 # Mooncake's transfer engines bind random ports in this range.
 TRANSFER_ENGINE_PORTS = range(15000, 17001)
 
@@ -43,22 +35,30 @@ def ephemeral_ports() -> range:
     return range(int(lo), int(hi) + 1)
 
 
-def service_port() -> int:
-    """A free port for a server that binds it only later, or again after a restart (an HA
-    standby opens its RPC port when it is promoted): outside the ephemeral range, where any
-    outgoing connection may take it meanwhile (a promotion then fails: the master logs
-    "Failed to start master service: 1" and exits 255), and outside the transfer engines'
-    range. Chosen at random, so that concurrent test runs rarely pick the same one."""
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A free loopback port for a server that binds it only later (a vLLM API server binds
+    after some 16 s of imports; an HA standby when it is promoted). Chosen outside the
+    ephemeral range, where any outgoing connection may take it meanwhile (CI saw a vLLM server
+    fail with "Address already in use"; a promoted master logs "Failed to start master
+    service: 1"), and outside the transfer engines' range. Each pytest-xdist worker draws from
+    its own share, a process never hands one out twice, and the draw is random so that
+    concurrent test runs rarely pick the same one."""
     ephemeral = ephemeral_ports()
-    candidates = [p for p in range(TRANSFER_ENGINE_PORTS.stop, 65536)
-                  if p not in ephemeral]
-    for port in random.sample(candidates, 200):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) % workers
+    share = [p for p in range(TRANSFER_ENGINE_PORTS.stop, 65536)
+             if p % workers == worker and p not in ephemeral and p not in _handed_out]
+    for port in random.sample(share, min(200, len(share))):
         with socket.socket() as s:
             try:
                 s.bind((HOST, port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     raise RuntimeError("no free port outside the ephemeral and transfer-engine ranges")
 
 
