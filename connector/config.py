@@ -153,6 +153,13 @@ KEYS: tuple[Key, ...] = (
         "it is moved in several calls. Those of the receive threads taking jobs and of the "
         "in-step thread are registered at startup, so no first store hit waits for it",
         lo=4096, hi=2**30, shown="`16MB`"),
+    Key("preload_buffer_size", "size", 256 * 2**20,
+        "host memory per TP rank, registered with the store, into which the store prefixes "
+        "of queued requests (found by `lookup_ahead` lookups) are read before vLLM schedules "
+        "them, so that their loads are memory copies when it does; a prefix that does not fit "
+        "whole is loaded when scheduled, as without it. Used where staged transfers are (see "
+        "`staging`) and the model has one KV cache group; 0 turns preloads off",
+        lo=0, hi=64 * 2**30, shown="`256MB`", fix="0 turns preloads off"),
     Key("sync_load_ms", "float", 50.0,
         "loads expected to take at most this long (all of one engine step's together, from "
         "recent transfer times) run inside the step, which waits for them: the request's "
@@ -461,6 +468,7 @@ class ConnectorConfig:
     load_threads_auto: bool = False  # adapt the active count online (connector/worker/autotune.py)
     load_split_blocks: int = _d("load_split_blocks")
     staging: str = _d("staging")
+    preload_buffer_size: int = _d("preload_buffer_size")
     staging_buffer_size: int = _d("staging_buffer_size")
     sync_load_ms: float = _d("sync_load_ms")
     load_early_start: bool = _d("load_early_start")

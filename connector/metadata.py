@@ -45,6 +45,16 @@ class BlockTransfer:
                 for i in range(0, n, max_blocks)]
 
 
+@dataclass(frozen=True)
+class Preload:
+    """A queued request's store prefix (group 0's full blocks from its first), found by a
+    look-ahead lookup before vLLM scheduled it: each rank may read its objects into host
+    memory meanwhile (connector.worker.preload)."""
+
+    req_id: str
+    block_hashes: tuple[bytes, ...]
+
+
 @dataclass
 class StepMetadata(KVConnectorMetadata):
     """One scheduler step's instructions for every worker rank."""
@@ -65,6 +75,8 @@ class StepMetadata(KVConnectorMetadata):
     # The scheduler does not know the workers' KV layout yet: each worker answers with a
     # WorkerReport in this step's output.
     need_layout: bool = False
+    # Look-ahead hits of requests still queued: read them into host memory now.
+    preloads: tuple[Preload, ...] = ()
 
 
 @dataclass

@@ -467,6 +467,16 @@ ERRORS_AND_STORE = Dash(
                 (rate(series("lookup_keys")), "keys probed"),
             ), "Store keys (blocks x TP namespaces) the scheduler asks the master about per "
                "second: the lookup load on the master.", width=6),
+            P("Preloads of queued requests", "ops", (
+                (rate(series("preload_keys"), "outcome"), "{{outcome}}"),
+            ), "Store objects of queued requests' prefixes read into host memory before vLLM "
+               "scheduled them, by outcome: used (the load copied them instead of reading the "
+               "store), unused (freed first), failed, no_room (the preload buffer was full: "
+               "raise preload_buffer_size).", width=12),
+            P("Preload buffer held", "bytes", (
+                (f"max by ({_BY_RANK}) ({series('preload_bytes')})", _RANK),
+            ), "Bytes of preload_buffer_size held by preloads read or being read, not yet "
+               "used or freed.", width=12, min=0),
             tenant_hit_rate(),
             P("Key namespace per pod and rank", "short", (
                 (f"max by (model_name, pod, tp_rank, fingerprint, hash_algo, transfer) "

@@ -48,6 +48,9 @@ class LoadEvent:
     tiers: dict[str, tuple[int, int]] | None = None
     loaded_keys: int = 0  # store objects read whole (one per block and shard): load_keys
     group: int = 0  # the KV cache group of `keys` blocks (hybrid models: one job per group)
+    # Copied from the request's preload (connector.worker.preload), not read from the store
+    # by this job: its nbytes are 0, and its time is no transfer estimate.
+    preloaded: bool = False
 
     @property
     def ok(self) -> bool:

@@ -124,6 +124,10 @@ FAMILIES: tuple[Family, ...] = (
            "How often do store calls hang?"),
     Family("staging_buffers", "gauge", _R, "Registered staging buffers: one per live job thread and KV cache group plan (those of the receive threads taking jobs and of the in-step thread from startup, the save thread's from its first save), plus those held by stuck threads until their calls return.",
            "Is staging memory bounded while calls hang?"),
+    Family("preload_keys", "counter", ("tp_rank", "outcome"), "Store objects of queued requests' prefixes read into host memory before vLLM scheduled them (preload_buffer_size), by outcome: used (a load copied them into the KV cache instead of reading the store), unused (freed first: the request finished or aged out, its load read the store, or it needed only some), failed (not read whole), no_room (not preloaded: the buffer was full).",
+           "Do preloads hide load time (used), or waste reads (unused) or lack room (no_room)?"),
+    Family("preload_bytes", "gauge", _R, "Bytes of preload_buffer_size held by preloads now (read or being read, not yet used or freed).",
+           "Is the preload buffer big enough for the queue?"),
     Family("autotune_errors", "counter", _R, "Windows the load_threads: auto tuner could not judge (logged; tuning goes on).",
            "Is the auto tuner healthy?"),
     # The store's share of time to first token (scheduler; requests that load from the store).
@@ -202,7 +206,8 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
         keys += [f"load_error_blocks|{rank}", f"save_error_keys|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",
                  f"master_failovers|{rank}", f"master_down_seconds|{rank}",
-                 f"master_probe_errors|{rank}"]
+                 f"master_probe_errors|{rank}", f"preload_keys|{rank}|used",
+                 f"preload_keys|{rank}|unused"]
         keys += [f"failures|{rank}|{op}|{code}" for op, code in KNOWN_FAILURES
                  if op != "lookup" or rank == 0]
         keys += [f"load_tier_{what}|{rank}|{tier}" for what in ("tokens", "bytes")

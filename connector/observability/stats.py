@@ -84,6 +84,7 @@ class WorkerGauges:
     load_inflight: tuple[int, ...]  # per receive thread: busy since the last poll
     threads_stuck: dict[str, int]  # by op: load, save
     staging_buffers: int
+    preload_bytes: int
     layout: tuple[str, str, str] | None  # fingerprint, hash_algo, transfer (once registered)
 
 
@@ -293,7 +294,8 @@ class StatsRecorder(Subscriber):
              stat_key("save_queue_depth", r): w.save_queue_depth,
              stat_key("recv_threads", r): w.recv_threads,
              stat_key("recv_threads_active", r): w.recv_threads_active,
-             stat_key("staging_buffers", r): w.staging_buffers}
+             stat_key("staging_buffers", r): w.staging_buffers,
+             stat_key("preload_bytes", r): w.preload_bytes}
         g |= {stat_key("threads_stuck", r, op): n for op, n in w.threads_stuck.items()}
         g |= {stat_key("load_inflight", r, t): v for t, v in enumerate(w.load_inflight)}
         if w.layout is not None:

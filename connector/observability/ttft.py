@@ -53,6 +53,7 @@ class RankLoad:
     failed: bool
     in_step: bool = False  # loaded inside the engine step (connector.scheduler.step_loads)
     ranks: int = 1
+    preloaded: bool = False  # some job copied from a preload: its transfer was a memory copy
 
     @property
     def seconds(self) -> float:
@@ -83,7 +84,8 @@ class LoadTimes(KVConnectorWorkerMetadata):
 def merge(a: RankLoad, b: RankLoad) -> RankLoad:
     slow = a if a.seconds >= b.seconds else b
     return RankLoad(slow.start, slow.queue, slow.transfer, slow.report, slow.blocks,
-                    a.failed or b.failed, slow.in_step, a.ranks + b.ranks)
+                    a.failed or b.failed, slow.in_step, a.ranks + b.ranks,
+                    a.preloaded or b.preloaded)
 
 
 @dataclass(slots=True)
@@ -100,6 +102,7 @@ class _WorkerLoad:
     failed: bool = False
     in_step: bool = False
     group_blocks: dict[int, int] = field(default_factory=dict)  # blocks per KV cache group
+    preloaded: bool = False
 
 
 class LoadClock(Subscriber):
@@ -146,6 +149,7 @@ class LoadClock(Subscriber):
             w.group_blocks[ev.group] = w.group_blocks.get(ev.group, 0) + ev.keys
             w.blocks = max(w.group_blocks.values())
             w.failed = w.failed or not ev.ok
+            w.preloaded = w.preloaded or ev.preloaded
 
     def reported(self, req_ids: Iterable[str], now: float, in_step: bool = False) -> None:
         """vLLM has been told these loads are done (in_step: the step that waited for them
@@ -170,7 +174,7 @@ class LoadClock(Subscriber):
                     queue=max(0.0, w.t_start - w.t_enqueue),
                     transfer=max(0.0, w.t_end - w.t_start),
                     report=max(0.0, w.t_reported - w.t_end), blocks=w.blocks, failed=w.failed,
-                    in_step=w.in_step)
+                    in_step=w.in_step, preloaded=w.preloaded)
         return LoadTimes(loads, self.in_step) if loads else None
 
 

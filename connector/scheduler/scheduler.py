@@ -14,7 +14,9 @@ at most `lookup_ahead` lookups of requests vLLM has not asked about yet, the nex
 starting theirs in arrival order as those are asked about or finish. Unbounded, a flood of
 arrivals queued every lookup on the executor, so a request vLLM asked about out of arrival
 order (a priority, a long queue) waited behind all of them, past its deadline; and the master
-answered, and leased blocks, for requests minutes from being scheduled.
+answered, and leased blocks, for requests minutes from being scheduled. A look-ahead hit is
+sent to the workers once (`StepMetadata.preloads`), which read the prefix into host memory
+while the request waits (`connector.worker.preload`).
 
 Against a master that is slow but answers, dead lookups must not pile up ahead of live ones: a
 lookup that times out is cancelled if it has not started, one that starts past its deadline
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.metadata import BlockTransfer, StepMetadata, WorkerReport
+from connector.metadata import BlockTransfer, Preload, StepMetadata, WorkerReport
 from connector.observability.events import LookupEvent, Publisher
 from connector.observability.stats import StatsRecorder
 from connector.observability.ttft import LoadTimes, RequestClock
@@ -117,7 +119,12 @@ class MooncakeStoreScheduler:
                                       "master_probe_errors", 0))
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
         self._lookups: dict[str, _Lookup] = {}
-        self._ahead: set[str] = set()  # lookups started before vLLM asked (lookup_ahead)
+        # Lookups started before vLLM asked (lookup_ahead): their prefixes' hashes.
+        self._ahead: dict[str, tuple[bytes, ...]] = {}
+        # Host-memory preloads of their hits (connector.worker.preload), each sent once.
+        self._preload = (config.preload_buffer_size > 0 and len(groups) == 1
+                         and groups[0].kind == FULL)
+        self._preloaded: set[str] = set()
         self._arrived: OrderedDict[str, Any] = OrderedDict()  # arrivals waiting for a turn
         self._abandoned: list[cf.Future] = []  # timed out or finished while running
         self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
@@ -209,15 +216,33 @@ class MooncakeStoreScheduler:
         wait for vLLM to ask."""
         while self._arrived and len(self._ahead) < self.config.lookup_ahead:
             rid, request = self._arrived.popitem(last=False)
-            if self._submit(rid, request.block_hashes[:self._lookup_range(request)]):
-                self._ahead.add(rid)
+            hashes = tuple(request.block_hashes[:self._lookup_range(request)])
+            if self._submit(rid, hashes):
+                self._ahead[rid] = hashes
 
     def _asked(self, rid: str) -> None:
         """vLLM reached `rid`, or it finished: it no longer waits for, or holds, a turn."""
         self._arrived.pop(rid, None)
-        if rid in self._ahead:
-            self._ahead.discard(rid)
+        self._preloaded.discard(rid)
+        if self._ahead.pop(rid, None) is not None:
             self._look_ahead()
+
+    def _preloads(self) -> tuple[Preload, ...]:
+        """The hits of look-ahead lookups answered since the last step: the workers may read
+        those prefixes into host memory while their requests wait."""
+        if not self._preload:
+            return ()
+        out = []
+        for rid, hashes in self._ahead.items():
+            lk = self._lookups.get(rid)
+            if rid in self._preloaded or lk is None or not lk.future.done():
+                continue
+            self._preloaded.add(rid)
+            if lk.future.exception() is None:
+                blocks = lk.future.result()[0] // self._block_size
+                if blocks:
+                    out.append(Preload(rid, hashes[:blocks]))
+        return tuple(out)
 
     def _submit(self, rid: str, hashes: Sequence[bytes]) -> _Lookup | None:
         lk = self._lookups.get(rid)
@@ -404,7 +429,7 @@ class MooncakeStoreScheduler:
                             saves=tuple(saves), free_after_jobs=tuple(self._free_after),
                             preempted=preempted, need_layout=not self._keys_ready,
                             in_step_peers=tuple(so.num_scheduled_tokens)
-                            if self._sync_loads else ())
+                            if self._sync_loads else (), preloads=self._preloads())
         self._loads.clear()
         self._sync_loads.clear()
         self._free_after.clear()

@@ -89,7 +89,7 @@ class StepLoadPolicy:
         for load in times.loads.values():
             if load.failed:
                 self._until = time.monotonic() + BACKOFF_S
-            elif load.blocks:
+            elif load.blocks and not load.preloaded:  # a copy from host memory: no estimate
                 self._fits[load.in_step].add(load.blocks, load.transfer)
 
     def cost(self, blocks: int) -> float | None:

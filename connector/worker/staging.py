@@ -133,19 +133,12 @@ class BlockStager:
         False the job has expired, its blocks belong to vLLM again, and the get stops.
         `alive()` is asked before each further call: none starts past the job's deadline."""
         results: list[int] = []
-        offsets = self.plan.src_offsets
         step = min(self.capacity, per_call) if per_call else self.capacity
         for i in range(0, len(keys), step):
             if i and not alive():
                 return results
             n = min(step, len(keys) - i)
-            if offsets is None:
-                res = client.batch_get_into(keys[i:i + n], self.addresses[:n], self.sizes[:n])
-            else:  # slices: this rank's runs of each object, back to back in a row
-                starts = [0, *itertools.accumulate(self.plan.sizes)][:-1]
-                res = ranged_get(client, keys[i:i + n],
-                                 [[a + s for s in starts] for a in self.addresses[:n]],
-                                 [list(self.plan.sizes)] * n, offsets)
+            res = self.fetch(client, keys[i:i + n], range(n))
             ids = units[i:i + n]
             ok = [j for j, r in enumerate(res) if r == self.block_bytes]
             with touching() as allowed:
@@ -157,6 +150,16 @@ class BlockStager:
                     self.scatter([ids[j] for j in ok], rows=ok)
             results.extend(res)
         return results
+
+    def fetch(self, client: Any, keys: list[str], rows: Sequence[int]) -> list[int]:
+        """Get `keys` into staging `rows` (one call), scattering nothing; per-key results."""
+        addrs = [self.addresses[r] for r in rows]
+        if self.plan.src_offsets is None:
+            return client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys))
+        # slices: this rank's runs of each object, back to back in a row
+        starts = [0, *itertools.accumulate(self.plan.sizes)][:-1]
+        return ranged_get(client, keys, [[a + s for s in starts] for a in addrs],
+                          [list(self.plan.sizes)] * len(keys), self.plan.src_offsets)
 
     def put(self, client: Any, keys: list[str], units: list[int],
             reading: Callable[[], AbstractContextManager[bool]], replicate: Any = None

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.metadata import BlockTransfer, StepMetadata
+from connector.metadata import BlockTransfer, Preload, StepMetadata
 from connector.observability.events import LoadEvent, Publisher, SaveEvent, Subscriber, request_hash
 from connector.observability.sampling import LookupProbe
 from connector.observability.stats import StatsRecorder, WorkerGauges, stat_key
@@ -56,6 +56,7 @@ from connector.store.groups import ONE_FULL, GroupSpec
 from connector.store.keys import KeyBuilder, layout_signature
 from connector.worker.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.worker.ledger import RequestLedger
+from connector.worker.preload import PreloadArena
 from connector.worker.rank_agreement import AnyRank, lone_rank
 from connector.worker.recv_pool import TIMEOUT, RecvPool, Ticket
 from connector.worker.save_guard import UNSAFE_CODE, SaveGuard
@@ -198,6 +199,9 @@ class MooncakeStoreWorker:
             on_replace=lambda: self.recorder.count("threads_replaced", tp_rank, "load"),
         ) if config.sync_load_ms > 0 else None
         self._in_step: set[str] = set()  # in-step loads: never reported in finished_recving
+        # Queued requests' prefixes in host memory (preload), once the layout says staging.
+        self._arena: PreloadArena | None = None
+        self.preload_pool: RecvPool[Preload] | None = None
         self.save_guard = SaveGuard()  # no save of a request a failed in-step load may taint
         # Whether any TP rank's in-step load failed this step (rank_agreement): the connector
         # sets vLLM's TP group at TP > 1.
@@ -241,6 +245,7 @@ class MooncakeStoreWorker:
         self._disk_chunk = self._disk_chunk_blocks()
         self.load_clock.in_step = self.step_pool is not None and self._staged
         self._early_start = self._early_start and not self._regions.on_cuda
+        self._make_arena()
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
         logger.info("mooncake pool: %d KV regions, %d bytes per object (%s of %d per block%s)"
                     ", rank %d, %d recv threads, %s", len(self._regions.sizes),
@@ -250,6 +255,22 @@ class MooncakeStoreWorker:
                     self.pool.size, f"staged transfers ({per_call} objects per call)"
                     if self._staged else "multi-buffer transfers")
         self._store.on_connect(self._register_buffers)
+
+    def _make_arena(self) -> None:
+        """The preload arena and its thread: where transfers are staged (an arena row is a
+        staged object) for a model of one KV cache group (the scheduler sends only those
+        preloads), and the buffer holds one object at least."""
+        plan = self._regions
+        if not (self._staged and len(self._groups) == 1 and self.config.enable_load
+                and self.config.lookup_ahead > 0
+                and self.config.preload_buffer_size >= plan.block_bytes):
+            return
+        rank = self.tp_rank
+        self._arena = PreloadArena(
+            BlockStager(plan, self._num_blocks, self.config.preload_buffer_size),
+            lambda outcome, n: self.recorder.count("preload_keys", rank, outcome, n=n))
+        self.preload_pool = RecvPool(1, self._preload, name="mcpool-preload",
+                                     deadline_s=self.config.load_timeout_s)
 
     def _use_staging(self) -> bool:
         mode = self.config.staging
@@ -289,6 +310,12 @@ class MooncakeStoreWorker:
             if rc != 0:
                 logger.error("register_buffer(%#x, %d) failed with %d; loads and saves on "
                              "this rank will fail and be recomputed", ptr, size, rc)
+        if self._arena is not None:
+            buf = self._arena.stager.buffer
+            rc = client.register_buffer(buf.data_ptr(), self._arena.stager.nbytes)
+            if rc != 0:
+                logger.error("register_buffer of the preload buffer failed with %d; preloads "
+                             "will fail and their requests load when scheduled", rc)
         if self._staged:
             self._warm_stagers(client)
 
@@ -355,6 +382,9 @@ class MooncakeStoreWorker:
         here instead (`load_early_start`), unless vLLM zeroes new blocks first."""
         now = time.perf_counter()
         self.load_clock.received((t.req_id for t in (*meta.loads, *meta.sync_loads)), now)
+        if self.preload_pool is not None:
+            for p in meta.preloads:
+                self.preload_pool.submit(p)
         if self._early_start and meta.loads:
             self._queue_loads(meta.loads, self.pool, now)
             self._early_meta = meta
@@ -460,6 +490,9 @@ class MooncakeStoreWorker:
                                 ABANDONED_CODE, running=False,
                                 spare=0 if self.save_pool.stalled else 1)
         self.save_guard.finished(finished_req_ids)
+        if self._arena is not None:
+            for rid in finished_req_ids:
+                self._arena.drop(rid)
         sending, recving, failed = self.ledger.take_finished()
         if recving:
             in_step = recving & self._in_step  # their requests run already: not vLLM's news
@@ -496,6 +529,8 @@ class MooncakeStoreWorker:
                                                       else 0),
                            "save": self.save_pool.stuck},
             staging_buffers=self.staging_buffers,
+            preload_bytes=self._arena.rows_in_use * self._arena.stager.block_bytes
+            if self._arena is not None else 0,
             layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
                     "staged" if self._staged else "multibuffer") if self._regions else None)
 
@@ -519,32 +554,37 @@ class MooncakeStoreWorker:
         sampled = False
         code, failed, nbytes = "", list(t.block_ids), 0
         results: list[int] = []
+        preloaded = None
         want, per = 0, 1
         key_tiers, tiers = None, None
         try:
-            client = self._connected()
             plan = self._io[t.group].load
             keys = self._keys.object_keys(t.block_hashes, plan.shards, t.group)
             units = plan.units(t.block_ids)
-            stager = self._stager(client, plan)
-            addrs = None if stager else plan.addresses(units)
-            t_prepared = t_lookup_end = time.perf_counter()
-            if self.config.tier_metrics or self._lookup_probe.due(thread):
-                descriptors = client.batch_get_replica_desc(keys)
-                t_lookup_end = time.perf_counter()
-                sampled = True
-                if self.config.tier_metrics:
-                    key_tiers = [replica_tier(descriptors.get(k)) for k in keys]
-            if stager:
-                results = stager.get(client, keys, units, ticket.touching, self._disk_chunk,
-                                     ticket.alive)
-            else:  # zero-copy: the call itself writes into the KV blocks
-                results = self._get_multi_buffers(client, keys, addrs, plan, ticket)
+            preloaded = self._from_arena(t, keys, units, ticket)
+            if preloaded is not None:
+                results = preloaded
+            else:
+                client = self._connected()
+                stager = self._stager(client, plan)
+                addrs = None if stager else plan.addresses(units)
+                t_prepared = t_lookup_end = time.perf_counter()
+                if self.config.tier_metrics or self._lookup_probe.due(thread):
+                    descriptors = client.batch_get_replica_desc(keys)
+                    t_lookup_end = time.perf_counter()
+                    sampled = True
+                    if self.config.tier_metrics:
+                        key_tiers = [replica_tier(descriptors.get(k)) for k in keys]
+                if stager:
+                    results = stager.get(client, keys, units, ticket.touching,
+                                         self._disk_chunk, ticket.alive)
+                else:  # zero-copy: the call itself writes into the KV blocks
+                    results = self._get_multi_buffers(client, keys, addrs, plan, ticket)
             want, per = plan.block_bytes, plan.pieces
             if not ticket.expired and len(results) != len(keys):
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
             failed = sorted({t.block_ids[i // per] for i, r in enumerate(results) if r != want})
-            nbytes = sum(r for r in results if r > 0)
+            nbytes = sum(r for r in results if r > 0) if preloaded is None else 0
             if key_tiers is not None:
                 tiers = self._served_by_tier(key_tiers, results, want, per, t.group)
             bad = next((r for r in results if r != want), None)
@@ -574,7 +614,51 @@ class MooncakeStoreWorker:
             keys=len(t.block_ids), nbytes=nbytes, failed_blocks=len(failed) if code else 0,
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
-            trace_parent=job.trace_parent, tiers=tiers, loaded_keys=loaded, group=t.group))
+            trace_parent=job.trace_parent, tiers=tiers, loaded_keys=loaded, group=t.group,
+            preloaded=preloaded is not None))
+
+    def _from_arena(self, t: BlockTransfer, keys: list[str], units: list[int],
+                    ticket: Ticket[_Job]) -> list[int] | None:
+        """Per-key results of copying the job's objects from its request's preload into its
+        blocks (no store call); None when the preload does not hold them all (the job reads
+        the store), [] when the job expired before the copy."""
+        if self._arena is None or t.group != 0:
+            return None
+        rows = self._arena.claim(t.req_id, keys)
+        if rows is None:
+            return None
+        copied = False
+        try:
+            with ticket.touching() as ok:
+                if ok:
+                    self._arena.stager.scatter(units, rows)
+                    copied = True
+        finally:
+            self._arena.give_back(rows, copied)
+        return [self._arena.stager.block_bytes] * len(keys) if copied else []
+
+    def _preload(self, job: Preload, _slot: int, ticket: Ticket[Preload]) -> None:
+        """Read a queued request's objects of this rank into the preload arena (runs on
+        mcpool-preload); its rows are the arena's again only once the calls returned."""
+        arena = self._arena
+        plan = self._io[0].load
+        keys = self._keys.object_keys(job.block_hashes, plan.shards)
+        rows = arena.reserve(job.req_id, keys)
+        if rows is None:
+            return
+        results: list[int] = []
+        try:
+            client = self._connected()
+            step = self._disk_chunk or len(keys)  # a disk tier's share per get, as a load's
+            for i in range(0, len(keys), step):
+                if i and not ticket.alive():
+                    break
+                results += arena.stager.fetch(client, keys[i:i + step], rows[i:i + step])
+        except Exception as e:  # its load reads the store when the request is scheduled
+            logger.debug("preload of %d objects for %s failed: %r", len(keys),
+                         request_hash(job.req_id), e)
+        finally:
+            arena.filled(job.req_id, results)
 
     def _get_multi_buffers(self, client: Any, keys: list[str], addrs: Any, plan: ObjectPlan,
                            ticket: Ticket[_Job]) -> list[int]:
@@ -740,6 +824,8 @@ class MooncakeStoreWorker:
                   (self.save_pool, SHUTDOWN_WAIT_S, SHUTDOWN_SAVE_DRAIN_S)]
         if self.step_pool is not None:
             closes.append((self.step_pool, SHUTDOWN_WAIT_S, 0.0))
+        if self.preload_pool is not None:
+            closes.append((self.preload_pool, SHUTDOWN_WAIT_S, 0.0))
         stuck: list[threading.Thread] = []
 
         def close(pool: RecvPool[_Job], wait: float, drain: float) -> None:

@@ -330,3 +330,26 @@ def test_a_flood_of_arrivals_looks_ahead_a_bounded_way(master, store_node, store
     finally:
         s.shutdown()
         proxy.stop()
+
+
+def test_a_look_ahead_hit_is_sent_as_a_preload_once(sched, store_client):
+    """A request vLLM has not reached is looked up on arrival; once the answer is a hit, the
+    next step's metadata carries its prefix (the hit's blocks) for the workers to read into
+    host memory while it waits, once; a miss and a request vLLM already asked about are not
+    sent."""
+    from connector.metadata import Preload
+
+    hs = hashes("preload", 6)
+    store_blocks(store_client, sched, hs[:4])
+    queued, cold = request("q", hs, 6 * BS + 1), request("c", hashes("cold", 3), 3 * BS + 1)
+    for r in (queued, cold):
+        sched.prefetch(r)
+    wait_until(lambda: all(lk.future.done() for lk in sched._lookups.values()), 10,
+               "the look-ahead lookups never answered")
+    assert sched.build_connector_meta(step_output()).preloads == (Preload("q", hs[:4]),)
+    assert sched.build_connector_meta(step_output()).preloads == ()
+    asked = request("a", hs, 6 * BS + 1)
+    sched.prefetch(asked)
+    assert ask(sched, asked) == (4 * BS, True)
+    assert sched.build_connector_meta(step_output()).preloads == ()
+    assert ask(sched, queued) == (4 * BS, True)  # vLLM reaches it: its hit stands

@@ -28,7 +28,7 @@ PASSAGES = {
     "docs/observability.md": {"readme-tracing"},
     "docs/performance.md": {"readme-headlines", "readme-serve", "control-path"},
     "docs/benchmark.md": {"docs-meta", "docs-reading", "docs-auto-focused", "docs-full-output",
-                          "docs-serve", "docs-serve-gap"},
+                          "docs-serve", "docs-serve-gap", "docs-serve-queued"},
     "docs/disk-tier.md": {"docs-disk-tier"},
     "docs/reliability.md": {"frozen-get", "fault-matrix"},
     "docs/reliability-failover.md": {"failover-timeline", "failover-serve"},

@@ -32,7 +32,8 @@ from connector.observability.stats import (
 def gauges(depth: int) -> WorkerGauges:
     return WorkerGauges(load_queue_depth=depth, save_queue_depth=0, recv_threads=1,
                         recv_threads_active=1, load_inflight=(0,),
-                        threads_stuck={"load": 0, "save": 0}, staging_buffers=1, layout=None)
+                        threads_stuck={"load": 0, "save": 0}, staging_buffers=1, preload_bytes=0,
+                        layout=None)
 
 
 def load_event(thread: int, rank: int, code: str = "", t: float = 100.0) -> LoadEvent:

@@ -228,3 +228,15 @@ def test_worker_clock_counts_token_blocks_on_hybrid_models():
     clock.on_load(window)
     clock.reported(["h"], 10.6)
     assert clock.take().loads["h"].blocks == 8
+
+
+def test_policy_takes_no_estimate_from_a_preloaded_load():
+    """A load copied from its preload (connector.worker.preload) took a memory copy's time:
+    as an estimate it would put store reads of the same size in the step, over budget."""
+    p = StepLoadPolicy(0.020)
+    fast = RankLoad(0.0, 0.0, 0.0001, 0.0, 10, False, in_step=True, preloaded=True)
+    p.observe(LoadTimes({"x": fast}, True))
+    assert p.cost(10) is None and not p.take(1)
+    merged = LoadTimes({"x": fast}, True).aggregate(LoadTimes({"x": RankLoad(
+        0.0, 0.0, 0.5, 0.0, 10, False, in_step=True)}, True))
+    assert merged.loads["x"].preloaded  # a rank that copied makes the request's load so
