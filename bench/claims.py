@@ -21,6 +21,7 @@ from typing import Any
 
 from bench import report, serve_stats
 from bench.autothreads import format_auto
+from bench.report import QUIET_MAX, QUIET_MEDIAN, quiet
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -51,6 +52,12 @@ class Runs:
     @cached_property
     def serve(self) -> dict[str, Any]:
         return self._json("serve.json")
+
+    @cached_property
+    def serve_queued(self) -> dict[str, Any] | None:
+        """The queue study (bench.serve --max-num-seqs); None until recorded."""
+        path = self.docs / "serve-queued.json"
+        return json.loads(path.read_text()) if path.exists() else None
 
     @cached_property
     def disk(self) -> dict[str, Any]:
@@ -363,11 +370,11 @@ def readme_demo(r: Runs) -> str:
 _SERVE_MARK = {True: "met", False: "**missed**", None: "**not resolved**"}
 
 
-def _serve_targets(r: Runs, targets_only: bool = False) -> str:
+def _serve_targets(s: dict[str, Any], targets_only: bool = False) -> str:
     """One line per comparison: per load point the median [95 % interval] and, for a target,
     met / missed / not resolved with the reason (re-judged by the current rules)."""
     lines = []
-    for t in serve_stats.evaluate(r.serve):
+    for t in serve_stats.evaluate(s):
         if targets_only and t["bound"] is None:
             continue
         pts = "; ".join(
@@ -385,11 +392,16 @@ def _serve_noise(s: dict[str, Any]) -> str:
     text = (f"load average (1 min) at the start of each turn {min(loads):.1f} to "
             f"{max(loads):.1f} on {m['host']['cpus']} CPUs")
     others = [t["others_cores"] for t in s["turns"] if "others_cores" in t]
-    if others:  # processes outside the benchmark's own (engines, store, client)
-        text += (f", other processes using {statistics.median(others):.2f} cores per turn "
-                 f"(median; at most {max(others):.2f})")
-    return text + (": **a noisy run, over the core count; these numbers are not a record, "
-                   "re-record on a quiet machine**" if m["noisy"] else " (a quiet run)")
+    if not others:  # a run from before others_cores was recorded: judged by its load average
+        return text + (": **a noisy run, over the core count; these numbers are not a record, "
+                       "re-record on a quiet machine**" if m["noisy"] else " (a quiet run)")
+    # Processes outside the benchmark's own (engines, store, client), judged by today's rule.
+    text += (f", other processes using {statistics.median(others):.2f} cores per turn "
+             f"(median; at most {max(others):.2f})")
+    return text + (" (a quiet run: its own engines account for the load average)"
+                   if quiet(others) else ": **a noisy run, other processes used more than "
+                   f"{QUIET_MEDIAN} cores per turn (median) or {QUIET_MAX} in one; these numbers "
+                   "are not a record, re-record on a quiet machine**")
 
 
 def _serve_breakdown(s: dict[str, Any]) -> str:
@@ -398,8 +410,9 @@ def _serve_breakdown(s: dict[str, Any]) -> str:
                      for r in [head, ["---"] * len(head), *rows])
 
 
-def docs_serve(r: Runs) -> str:
-    s = r.serve
+def _serve_run(s: dict[str, Any]) -> str:
+    """A serving run: its setup, the table per case and load point, the reference get, the
+    comparisons and the TTFT breakdown."""
     m = s["meta"]
     w = m["workload"]
     rows = ["| case | load point | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s | "
@@ -422,7 +435,7 @@ Run of {m['date']} ({m['mode']} mode, commit {m['commit']}, {m['wall_s']:.0f} s,
 (bfloat16); `prefix_repetition`, {w['prompts']} requests of {w['prefix_len']} +
 {w['suffix_len']} prompt tokens ({w['distinct_prefixes']} distinct prefixes) and
 {w['output_len']} output tokens; load points {points}; {m['rounds']} rounds, the cases in a
-fresh random order in each; {_serve_noise(s)}.
+fresh random order in each{_serve_slots(m)}; {_serve_noise(s)}.
 
 {chr(10).join(rows)}
 
@@ -433,16 +446,52 @@ Comparisons: the median over rounds of the per-round paired value, [its distribu
 {serve_stats.LEVEL:.0%} interval] (a target is met only when the whole interval is on its side,
 missed when the median is not, otherwise not resolved):
 
-{_serve_targets(r)}
+{_serve_targets(s)}
 
 Where the store's share of TTFT goes: mean ms per request that loaded from the store, from the
 engines' `ttft_store_*` histograms over all rounds (the phases add up to the store ms; in-step
-loads have no report wait, handoff or reschedule). `ours-4t-async` is the load path before these
-changes (every load asynchronous, queued after the forward pass), `ours-4t` the defaults now:
+loads have no report wait, handoff or reschedule):
 
 {_serve_breakdown(s)}
+"""
+
+
+def _serve_slots(m: dict[str, Any]) -> str:
+    n = m.get("max_num_seqs")
+    return f"; every engine with `--max-num-seqs {n}`" if n else ""
+
+
+def docs_serve(r: Runs) -> str:
+    return _serve_run(r.serve) + """
+`ours-4t-async` is the load path before the in-step and early loads (every load asynchronous,
+queued after the forward pass), `ours-4t` the defaults now.
 
 ![TTFT distribution per case](serve-ttft.png)
+"""
+
+
+def docs_serve_queued(r: Runs) -> str:
+    s = r.serve_queued
+    if s is None:
+        return "\nNot recorded yet (`docs/serve-queued.json`).\n"
+    pt = s["meta"]["load_points"][0]["name"]
+    on, off = (s["summary"][c][pt] for c in ("ours-4t", "ours-4t-noahead"))
+    ph_on, ph_off = on["breakdown"]["phases_ms"], off["breakdown"]["phases_ms"]
+    blocks = on["store_hit_tokens"] // s["meta"]["model"]["block_tokens"]  # a key each (TP=1)
+    used = on.get("preload_used_keys", 0) / max(1, blocks)
+    saved = (ph_off["load_transfer"] - ph_on["load_transfer"]) / off["breakdown"]["store_ms"]
+    return _serve_run(s) + f"""
+Why, at `{pt}`: a queued request's store share is {on['breakdown']['store_ms']:.0f} ms with
+look-ahead and {off['breakdown']['store_ms']:.0f} ms without, of which
+{ph_on['lookup'] + ph_on['admit']:.0f} and {ph_off['lookup'] + ph_off['admit']:.0f} ms wait for
+a sequence slot (`lookup` + `admit`; without look-ahead the lookup starts only once vLLM reaches
+the request). The running requests' decode steps set that wait; neither a lookup nor a load
+shortens it. Preloads shorten the load itself: {used:.0%} of the blocks loaded with look-ahead
+were copied from a preload, and `load_transfer` is {ph_on['load_transfer']:.1f} ms against
+{ph_off['load_transfer']:.1f} ms, a difference of {saved:.1%} of the store share without
+look-ahead. Where load time is a larger part of
+each request's service (longer prefixes, shorter outputs, a store farther away), the same
+saving is a larger part of TTFT.
 """
 
 
@@ -472,7 +521,7 @@ def readme_serve(r: Runs) -> str:
   - Serving benchmark (`python -m bench.serve`, vLLM's own `vllm bench serve` client, the
     cases interleaved round by round; [tables and the TTFT breakdown](benchmark.md#serving),
     [TTFT plot](serve-ttft.png)); {_serve_noise(r.serve)}; targets:
-{chr(10).join('    ' + line for line in _serve_targets(r, True).splitlines())}
+{chr(10).join('    ' + line for line in _serve_targets(r.serve, True).splitlines())}
 """
 
 
@@ -859,6 +908,7 @@ RENDERERS: dict[str, Callable[[Runs], str]] = {
     "docs-full-output": docs_full_output,
     "docs-serve": docs_serve,
     "docs-serve-gap": docs_serve_gap,
+    "docs-serve-queued": docs_serve_queued,
     "readme-serve": readme_serve,
     "docs-disk-tier": docs_disk_tier,
     "layouts-table": layouts_table,

@@ -12,6 +12,16 @@ from bench.sweep import Cell, group_by
 PHASES = ("queue_wait", "prepare", "master_lookup", "transfer")
 
 
+QUIET_MEDIAN, QUIET_MAX = 0.1, 0.5  # cores other processes may use while a run is recorded
+
+
+def quiet(others: Sequence[float]) -> bool:
+    """A recorded run is quiet when processes outside its tree used few cores per turn (the
+    median at most QUIET_MEDIAN, none over QUIET_MAX). Not the load average: on 2 cores a
+    benchmark's own engines push it past the core count."""
+    return statistics.median(others) <= QUIET_MEDIAN and max(others) <= QUIET_MAX
+
+
 def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
 

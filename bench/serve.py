@@ -16,7 +16,15 @@ shares. Cases, every engine up for the whole run:
 4. `ours-1t`, 5. `ours-4t`, 6. `ours-auto`: this connector with 1, 4 and `auto` receive
    threads;
 7. `ours-4t-async`: ours-4t with every load asynchronous and queued after the forward pass
-   (`sync_load_ms: 0`, `load_early_start: false`): the load path before issue 23.
+   (`sync_load_ms: 0`, `load_early_start: false`): the load path before issue 23;
+8. `ours-4t-noahead` (only when named in `--cases`): ours-4t with `lookup_ahead: 0`, so no
+   lookup starts before vLLM reaches its request and nothing is preloaded: the queue study
+
+    python -m bench.serve --cases ours-4t,ours-4t-noahead --max-num-seqs 2 \
+        --json docs/serve-queued.json
+
+   runs the engines with `--max-num-seqs 2`, so that requests queue at the busy load point
+   (`queued-concurrency-8`), beside one where they do not (`unqueued-concurrency-1`).
 
 The first connector engine of each key format serves the workload once, filling the store;
 every connector engine then serves it once more unmeasured (its loads give the in-step
@@ -24,8 +32,9 @@ estimate). Then, per round and load point (one concurrency level that keeps the 
 one Poisson request rate), the cases run in a fresh random order, each after
 `POST /reset_prefix_cache` (store cases read the store again), and so does a reference get of
 one request's prefix bytes (`bench.reference_get`). Comparisons are medians of per-round
-paired values with 95 % intervals (`bench.serve_stats`). The load average is recorded at every
-turn; a run where it exceeds the core count is marked noisy.
+paired values with 95 % intervals (`bench.serve_stats`). The load average and the cores used
+by processes outside the benchmark's tree are recorded at every turn; a run is marked noisy
+when the latter are not low (`bench.testbed.quiet`).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.reference_get import ReferenceGet
+from bench.report import quiet
 from bench.run import TCP_QUEUE_ENV
 from bench.serve_stats import breakdown_of, breakdown_rows, evaluate, summarize
 from bench.testbed import OthersMeter
@@ -63,13 +73,15 @@ from devkit.vllm_server import (
 
 ENGINE_START_S = 300.0
 ENGINE_GIB = 3.0  # resident memory of one engine (API server + engine core + 1 GiB KV cache)
-CASES = ("no-connector", "local-warm", "in-tree", "ours-1t", "ours-4t", "ours-auto",
-         "ours-4t-async")
+DEFAULT_CASES = ("no-connector", "local-warm", "in-tree", "ours-1t", "ours-4t", "ours-auto",
+                 "ours-4t-async")
+CASES = (*DEFAULT_CASES, "ours-4t-noahead")
 QUICK_CASES = ("no-connector", "local-warm", "ours-4t")
 ENGINE_OF = {"no-connector": "none", "local-warm": "none", "in-tree": "in-tree",
              "ours-1t": "ours-1", "ours-4t": "ours-4", "ours-auto": "ours-auto",
-             "ours-4t-async": "ours-4-async"}
-ASYNC_LOADS = {"sync_load_ms": 0, "load_early_start": False}  # the load path before issue 23
+             "ours-4t-async": "ours-4-async", "ours-4t-noahead": "ours-4-noahead"}
+VARIANTS = {"async": {"sync_load_ms": 0, "load_early_start": False},  # before issue 23
+            "noahead": {"lookup_ahead": 0}}  # no look-ahead lookups, hence no preloads
 REFERENCE = "reference get"
 REFERENCE_REPS = 7
 # Engine counters read before and after each run (summed over label sets).
@@ -77,6 +89,7 @@ COUNTERS = {"store_hit_tokens": "vllm:external_prefix_cache_hits_total",
             "store_queried_tokens": "vllm:external_prefix_cache_queries_total",
             "local_hit_tokens": "vllm:prefix_cache_hits_total",
             "prompt_tokens": "vllm:prompt_tokens_total"}
+PRELOADED = "vllm:mooncake_pool_preload_keys_total"  # its outcome="used" series: preload_used_keys
 
 
 @dataclass(frozen=True)
@@ -135,13 +148,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", default="2", help="requests/s of the Poisson load point")
     p.add_argument("--layers", type=int, help="model layers (full 8, quick 4)")
     p.add_argument("--hidden", type=int, help="model hidden size (full 1024, quick 512)")
+    p.add_argument("--max-num-seqs", type=int,
+                   help="vLLM's --max-num-seqs for every engine; the load points become "
+                        "queued-concurrency-C (C > this: requests queue) and "
+                        "unqueued-concurrency-1")
     p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "mcpool-bench")
     p.add_argument("--mooncake-tcp-defaults", action="store_true",
                    help="do not raise Mooncake's per-peer TCP queue limits")
     a = p.parse_args(argv)
     q = a.quick
     a.cases = [c.strip() for c in a.cases.split(",")] if a.cases else \
-        list(QUICK_CASES if q else CASES)
+        list(QUICK_CASES if q else DEFAULT_CASES)
     unknown = set(a.cases) - set(CASES)
     if unknown:
         p.error(f"--cases: unknown {sorted(unknown)}; choose from {','.join(CASES)}")
@@ -150,6 +167,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.prefix_len = a.prefix_len or (448 if q else 960)
     a.layers = a.layers or (4 if q else 8)
     a.hidden = a.hidden or (512 if q else 1024)
+    if a.max_num_seqs:
+        if a.concurrency <= a.max_num_seqs:
+            p.error(f"--concurrency {a.concurrency}: requests queue only above --max-num-seqs "
+                    f"{a.max_num_seqs}; raise --concurrency")
+        a.points = [LoadPoint(f"queued-concurrency-{a.concurrency}", "inf", a.concurrency),
+                    LoadPoint("unqueued-concurrency-1", "inf", 1)]
+        return a
     a.points = [LoadPoint(f"concurrency-{a.concurrency}", "inf", a.concurrency)]
     if not q:
         a.points.append(LoadPoint(f"rate-{a.rate}", a.rate, a.prompts))
@@ -165,8 +189,10 @@ def mem_available_gib() -> float:
 class Stack:
     """Mooncake master + store node, and one engine per kind, kept up for the whole run."""
 
-    def __init__(self, model: str, work: Path, env: dict[str, str], segment: str) -> None:
+    def __init__(self, model: str, work: Path, env: dict[str, str], segment: str,
+                 engine_args: tuple[str, ...] = ()) -> None:
         self.model, self.work, self.env = model, work, env
+        self.engine_args = engine_args  # for every engine (--max-num-seqs)
         self.master = MooncakeMaster().start()
         self.node = StoreNode(self.master, segment_size=segment).start()
         self.intree_cfg = self.master.write_config_file(
@@ -182,7 +208,7 @@ class Stack:
         self.master.stop()
 
     def server(self, kind: str) -> VllmServer:
-        """kind: none | in-tree | ours-<threads>[-async]."""
+        """kind: none | in-tree | ours-<threads>[-<variant>]."""
         env = dict(self.env)
         kv = None
         if kind == "in-tree":
@@ -196,11 +222,11 @@ class Stack:
             kv = connector_kv_config(self.master.store_config(
                 global_segment_size=0, local_buffer_size="64MB", cache_prefix="serve",
                 load_threads=threads if threads == "auto" else int(threads),
-                **(ASYNC_LOADS if variant == "async" else {})))
+                **VARIANTS.get(variant, {})))
         # bfloat16 as served in production: this benchmark times engines, it compares no
         # outputs.
         return VllmServer(self.model, kv, env=env, log_path=str(self.work / f"vllm-{kind}.log"),
-                          dtype=SERVING_DTYPE)
+                          dtype=SERVING_DTYPE, extra_args=self.engine_args)
 
     def start(self, kind: str) -> VllmServer:
         server = self.server(kind)
@@ -241,6 +267,8 @@ def run_client(server: VllmServer, workload: Workload, point: LoadPoint, out: Pa
         raise RuntimeError(f"vllm bench serve completed {r['completed']} of {workload.prompts}"
                            f":\n{log.getvalue()[-2000:]}")
     counters = {k: metric_sum(after, m) - metric_sum(before, m) for k, m in COUNTERS.items()}
+    counters["preload_used_keys"] = (metric_sum(after, PRELOADED, outcome="used")
+                                     - metric_sum(before, PRELOADED, outcome="used"))
     return {
         "completed": r["completed"], "failed": r.get("failed", 0),
         "duration_s": round(r["duration"], 2),
@@ -446,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                      "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
                      "output_len": a.output_len, "distinct_prefixes": a.prompts, "seed": 0},
         "load_points": [vars(p) for p in a.points], "rounds": a.rounds, "cases": a.cases,
+        "max_num_seqs": a.max_num_seqs,
         "order_seed": a.seed,
         "mooncake_env": {} if a.mooncake_tcp_defaults else TCP_QUEUE_ENV,
         "store_segment": segment,
@@ -455,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                   "of one request's prefix) run in a fresh random order, each after POST "
                   "/reset_prefix_cache; local-warm is the no-connector engine serving the same "
                   "run again right after its cold run"}}
-    stack = Stack(model, work, env, segment)
+    stack = Stack(model, work, env, segment,
+                  ("--max-num-seqs", str(a.max_num_seqs)) if a.max_num_seqs else ())
     bench = Bench(a, stack, workload)
     try:
         result["engine_start_s"] = bench.start_engines()
@@ -477,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     result["turns"] = bench.turns
     result["meta"]["host"] |= {"loadavg_end": list(os.getloadavg()), "loadavg_max": max(loads),
                                "others_cores_max": max(t["others_cores"] for t in bench.turns)}
-    result["meta"]["noisy"] = max(loads) > cpus
+    result["meta"]["noisy"] = not quiet([t["others_cores"] for t in bench.turns])
     result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(format_report(result))
     if a.png:

@@ -38,6 +38,7 @@ class Comparison:
     stat: str = "ttft_p50_ms"
     kind: str = "ratio"
     bound: float | None = None
+    at: str = ""  # judged only at the load points whose name starts with this
 
 
 COMPARISONS = (
@@ -58,6 +59,14 @@ COMPARISONS = (
     Comparison("4 threads vs 1: ours-4t / ours-1t TTFT p50", "ours-4t", "ours-1t"),
     Comparison("ours-auto TTFT p50 within 10 % of the best fixed setting (1t, 4t)",
                "ours-auto", BEST_FIXED, bound=1.10),
+    Comparison("look-ahead lookups and preloads where requests queue: ours-4t TTFT p50 <= 0.8x "
+               "ours-4t-noahead", "ours-4t", "ours-4t-noahead", bound=0.8, at="queued"),
+    Comparison("look-ahead lookups and preloads where requests queue: ours-4t / "
+               "ours-4t-noahead TTFT p99", "ours-4t", "ours-4t-noahead", "ttft_p99_ms",
+               at="queued"),
+    Comparison("look-ahead lookups and preloads where requests do not queue: ours-4t TTFT p50 "
+               "no worse than ours-4t-noahead by more than 5 %", "ours-4t", "ours-4t-noahead",
+               bound=1.05, at="unqueued"),
 )
 
 
@@ -101,6 +110,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[k][0] if k == "loadavg_1m" else r[k] for r in runs]
         out[k] = round(statistics.median(vals), 3)
         out[k + "_range"] = [round(min(vals), 3), round(max(vals), 3)]
+    if "preload_used_keys" in runs[0]:  # store objects copied from preloads, per run
+        out["preload_used_keys"] = statistics.median(r["preload_used_keys"] for r in runs)
     out["failed"] = sum(r["failed"] for r in runs)
     out["breakdown"] = summarize_breakdown(runs) if "breakdown" in runs[0] else None
     return out
@@ -135,6 +146,8 @@ def compare(c: Comparison, result: dict[str, Any]) -> dict[str, Any]:
     runs, summary, ref = result["runs"], result["summary"], result.get("reference", {})
     points: dict[str, Any] = {}
     for pt in summary.get(c.a, {}):
+        if not pt.startswith(c.at):
+            continue
         b = _best_fixed(summary, pt) if c.b == BEST_FIXED else c.b
         if b is None or pt not in summary.get(b, {}):
             continue
