@@ -25,15 +25,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from connector.worker.staging import BlockStager
 
 PRELOAD_TTL_S = 60.0  # rows of a request never scheduled nor reported finished (leak bound)
-# `preload_keys` outcomes: copied into the KV cache by a load; freed unused (the request
-# finished or aged out first, its load read the store, or it needed only some of them); not
-# read whole from the store; not preloaded because the arena had no room.
-OUTCOMES = ("used", "unused", "failed", "no_room")
 
 
 @dataclass
@@ -41,7 +37,7 @@ class _Entry:
     rows: dict[str, int]  # key -> arena row (while pending: every key; then those read whole)
     pending: bool = True  # its get is running: the rows belong to that thread
     abandoned: bool = False  # the load came or the request finished while pending
-    t_ready: float = field(default=0.0)
+    t_ready: float = 0.0
 
 
 class PreloadArena:
@@ -49,7 +45,7 @@ class PreloadArena:
     the preload thread fills, load threads claim, the engine thread drops."""
 
     def __init__(self, stager: BlockStager, count: Callable[[str, int], None]) -> None:
-        """`count(outcome, keys)`: the `preload_keys` counter."""
+        """`count(outcome, keys)`: the `preload_keys` counter (its outcomes: metric_catalog)."""
         self.stager = stager
         self._free = list(range(stager.capacity - 1, -1, -1))
         self._entries: dict[str, _Entry] = {}
