@@ -24,8 +24,10 @@ from typing import Any
 
 from devkit.local_cluster import free_port
 from devkit.processes import HOST, spawn, stop_process, wait_http
+from devkit.vllm_zygote import ForkedProcess, Zygote
 
 BLOCK_SIZE = 32
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 CPU_MLA_BLOCK_SIZE = 16  # what vLLM's CPU MLA backend runs whatever --block-size says
 REPO = Path(__file__).resolve().parent.parent
 # The one dtype in which greedy outputs may be compared for equality. In bfloat16 the KV of a
@@ -49,9 +51,32 @@ ATTN_BACKEND = "CPU_ATTN"
 # picks on CPU): one process fewer to spawn and import torch and vLLM in at every start. The
 # tests set it (tests/conftest.py); benchmarks keep vLLM's default so their numbers compare.
 IN_PROCESS_TP1 = False
+# Whether `vllm serve` API servers are forked from a process that imported vLLM once
+# (devkit/vllm_zygote.py) instead of started afresh, saving their ~10 s of imports at every
+# start; the EngineCore and its workers start as always. The tests set it (tests/conftest.py);
+# benchmarks keep real starts.
+FORK_API_SERVERS = False
+_zygote: Zygote | None = None
 # Called as listener(server, seconds) after every start that served, whether or not it did:
 # the suite counts engine starts per test file with it (tests/suite_times.py).
 START_LISTENERS: list[Callable[[VllmServer, float], None]] = []
+
+
+def forked(argv: list[str], env: dict[str, str], cwd: str | Path | None, log_path: str
+           ) -> ForkedProcess | None:
+    """`argv` forked from this process's zygote (FORK_API_SERVERS), or None: not on, or the
+    fork would not be the process `argv` starts (then spawn it)."""
+    global _zygote
+    if not FORK_API_SERVERS:
+        return None
+    if _zygote is None:
+        base = {**os.environ, **SERVER_ENV, "PYTHONPATH": server_pythonpath()}
+        _zygote = Zygote(base, _new_log_file())
+    return _zygote.launch(argv, env, cwd, log_path)
+
+
+def server_pythonpath() -> str:
+    return f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
 
 
 class InexactComparison(TypeError):
@@ -219,12 +244,12 @@ class VllmServer:
         return 1
 
     def start(self, timeout: float = 240.0) -> VllmServer:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **self.env}
+        env = {**os.environ, **SERVER_ENV, "PYTHONPATH": server_pythonpath(), **self.env}
         if self.in_process and self.tp_size == 1:
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         began = time.monotonic()
-        self.proc = spawn(self.command(), self.log_path, env=env, cwd=self.cwd)
+        self.proc = forked(self.command(), env, self.cwd, self.log_path) \
+            or spawn(self.command(), self.log_path, env=env, cwd=self.cwd)
         try:
             wait_http(self.url + "/health", self.proc, "vllm serve", timeout)
             refused = self.backend_refusal()

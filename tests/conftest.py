@@ -26,6 +26,7 @@ from tests.engines import References, salted
 from tests.worker_kit import make_worker_on  # noqa: F401 - shared fixture
 
 vllm_server.IN_PROCESS_TP1 = True  # the tests' TP=1 engines start without a worker process
+vllm_server.FORK_API_SERVERS = True  # their API servers fork from one that imported vLLM
 # Files that start engines: each declares how it may run (TIMING_MARKS), scripts/test.sh runs it so.
 ENGINE_FILES = ("tests/e2e/", "tests/deploy/test_helm_smoke.py")
 TIMING_MARKS = {

@@ -1,0 +1,47 @@
+"""The zygote that forks the tests' `vllm serve` API servers (devkit/vllm_zygote.py): a forked
+vLLM command ends as the same command started afresh does (status, output), and a command the
+fork would not reproduce (another interpreter path, another import-time environment) is left
+to be started the usual way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from devkit.vllm_server import REPO
+from devkit.vllm_zygote import Zygote
+
+VLLM = str(Path(sys.executable).parent / "vllm")
+ENV = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    z = Zygote(ENV, str(tmp_path_factory.mktemp("zygote") / "zygote.log"))
+    yield z
+    z.close()
+    assert z.proc.returncode == 0  # it exits when its requests end
+
+
+@pytest.mark.parametrize("args", [["--version"], ["serve", "--no-such-flag"]])
+def test_forked_command_ends_as_a_fresh_one(zygote, tmp_path, args):
+    fresh = subprocess.run([VLLM, *args], env=ENV, capture_output=True, text=True, timeout=120)
+    log = tmp_path / "forked.log"
+    proc = zygote.launch([VLLM, *args], ENV, str(tmp_path), str(log))
+    assert proc is not None and proc.pid != zygote.proc.pid
+    assert proc.wait(timeout=120) == fresh.returncode
+    last = (fresh.stdout.strip() or fresh.stderr.strip()).splitlines()[-1]  # its answer
+    assert log.read_text().strip().splitlines()[-1] == last
+    assert (fresh.returncode == 0) == (args == ["--version"])
+
+
+def test_commands_a_fork_would_not_reproduce_are_left_alone(zygote, tmp_path):
+    log = str(tmp_path / "x.log")
+    assert zygote.launch(["/usr/bin/env", "true"], ENV, None, log) is None
+    for env in ({**ENV, "PYTHONPATH": "/elsewhere"}, {**ENV, "VLLM_LOGGING_LEVEL": "DEBUG"}):
+        assert zygote.launch([VLLM, "--version"], env, None, log) is None
+    assert not Path(log).exists()
