@@ -70,6 +70,7 @@ RECORD_SUITE_TIMES=${RECORD_SUITE_TIMES:+"phase 1b: unit on vLLM 0.33"} scripts/
   -p tests.suite_times ${args[@]+"${args[@]}"}
 phase "phase 2a: e2e timed (serial)" -m timed tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
 PIN_ENGINES_PER_WORKER=1 phase "phase 2b: e2e side by side (2 workers)" -n 2 --dist loadfile \
+  --no-loadscope-reorder \
   -m side_by_side tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
 if [[ -n ${SUITE_TIMES_PARTS:-} ]]; then
   mv "$SUITE_TIMES_PARTS" docs/suite-times.json

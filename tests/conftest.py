@@ -9,6 +9,8 @@ shared where the tests need the same configuration.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 import re
@@ -21,7 +23,7 @@ from devkit import vllm_server
 from devkit.local_cluster import HOST, MooncakeMaster, StoreNode
 from devkit.otlp_collector import RotelCollector
 from devkit.tiny_model import make_tiny_llama
-from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config
+from devkit.vllm_server import BLOCK_SIZE, REPO, VllmServer, connector_kv_config
 from tests.engines import References, salted
 from tests.worker_kit import make_worker_on  # noqa: F401 - shared fixture
 
@@ -68,6 +70,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"{', '.join(bad)}: mark the file with exactly one of "
             f"pytestmark = pytest.mark.timed ({TIMING_MARKS['timed']}) or "
             f"pytest.mark.side_by_side ({TIMING_MARKS['side_by_side']})")
+    if config.getoption("dist", "no") == "loadfile":
+        longest_files_first(items)
+
+
+def longest_files_first(items: list[pytest.Item]) -> None:
+    """Files side by side (`--dist loadfile --no-loadscope-reorder`) are handed to the workers
+    in this order: longest first by the last recorded run (docs/suite-times.json; a file not
+    in it first), so no worker is left with a long file after the other has finished."""
+    recorded: dict[str, float] = {}
+    try:
+        for part in json.loads((REPO / "docs/suite-times.json").read_text())["parts"].values():
+            recorded.update(part["seconds_per_file"])
+    except (OSError, ValueError, KeyError):
+        return
+    items.sort(key=lambda item: -recorded.get(item.nodeid.split("::", 1)[0], math.inf))
 
 
 def make_prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
@@ -312,6 +329,4 @@ def connector_site(tmp_path_factory) -> str:
 def by_name_env(site: str) -> dict[str, str]:
     """Engine env in which vLLM registers the connector by name through the installed wheel's
     entry point, while the code itself runs from this checkout (first on the path)."""
-    from devkit.vllm_server import REPO
-
     return {"PYTHONPATH": f"{REPO}:{site}"}
