@@ -167,7 +167,7 @@ class Zygote:
     engine shares); `launch` forks a `vllm serve` from it."""
 
     def __init__(self, env: dict[str, str], log_path: str) -> None:
-        self.env = env
+        self.env, self.log_path = env, log_path
         self._lock = threading.Lock()
         read_fd, write_fd = os.pipe()
         with open(log_path, "ab") as log:
@@ -187,7 +187,9 @@ class Zygote:
                 self.proc.stdin.flush()
             line = self._answers.readline()
         if not line:
-            raise RuntimeError(f"the vLLM zygote exited (status {self.proc.poll()})")
+            tail = Path(self.log_path).read_text(errors="replace").splitlines()[-20:]
+            raise RuntimeError(f"the vLLM zygote exited (status {self.proc.wait()}):\n"
+                               + "\n".join(tail))
         return json.loads(line)
 
     def fits(self, argv: list[str], env: dict[str, str]) -> bool:
