@@ -16,7 +16,9 @@ What a fork cannot change is fixed when the zygote starts: `sys.path` (PYTHONPAT
 interpreter's flags and hash seed, and what vLLM and torch read at import (logging settings,
 library paths, thread settings). An engine whose environment differs from the zygote's in any
 of those (`IMPORT_TIME_ENV`) is started the usual way (`Zygote.launch` returns None), as is
-any command other than this interpreter's `vllm` CLI.
+any command other than this interpreter's `vllm` CLI, and one started from a thread in other
+namespaces or on other CPUs than the zygote's (a spawned child would take those of the
+thread).
 
 Protocol: one JSON line per request on the zygote's stdin, one JSON line answer on the
 protocol descriptor given at start; requests are `launch` (argv, env, cwd, log: the child's
@@ -57,6 +59,15 @@ IMPORT_TIME_ENV = ("PYTHON", "LD_", "VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING", "N
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
+def _placement(task: str) -> tuple:
+    """What a child takes from the thread that starts it, beside its environment: the
+    namespaces (`/proc/<task>/ns`) and the CPUs it may run on."""
+    ns = Path(f"/proc/{task}/ns")
+    pid = 0 if task == "thread-self" else int(task)
+    return (tuple(sorted((p.name, os.readlink(p)) for p in ns.iterdir())),
+            tuple(sorted(os.sched_getaffinity(pid))))
 
 
 # ---- the zygote process ------------------------------------------------------------------
@@ -193,9 +204,12 @@ class Zygote:
         return json.loads(line)
 
     def fits(self, argv: list[str], env: dict[str, str]) -> bool:
-        """Whether a fork of this zygote is the process `argv` in `env` would start."""
+        """Whether a fork of this zygote is the process `argv` in `env` would start from the
+        calling thread: the same command and import-time environment, and the thread's
+        namespaces (a test's thread inside a network namespace: devkit/netns.py) and CPUs."""
         return (argv[:1] == [str(Path(sys.executable).parent / "vllm")]
-                and _import_time_env(env) == _import_time_env(self.env))
+                and _import_time_env(env) == _import_time_env(self.env)
+                and _placement("thread-self") == _placement(str(self.proc.pid)))
 
     def launch(self, argv: list[str], env: dict[str, str], cwd: str | None, log_path: str
                ) -> ForkedProcess | None:

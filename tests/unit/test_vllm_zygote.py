@@ -1,13 +1,15 @@
 """The zygote that forks the tests' `vllm serve` API servers (devkit/vllm_zygote.py): a forked
 vLLM command ends as the same command started afresh does (status, output), and a command the
-fork would not reproduce (another interpreter path, another import-time environment) is left
-to be started the usual way."""
+fork would not reproduce is left to be started the usual way: another interpreter, another
+import-time environment, a thread in another network namespace."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from devkit.vllm_server import REPO
 from devkit.vllm_zygote import Zygote
 
 VLLM = str(Path(sys.executable).parent / "vllm")
+CLONE_NEWNET = 0x40000000
 ENV = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
 
 
@@ -45,3 +48,20 @@ def test_commands_a_fork_would_not_reproduce_are_left_alone(zygote, tmp_path):
     for env in ({**ENV, "PYTHONPATH": "/elsewhere"}, {**ENV, "VLLM_LOGGING_LEVEL": "DEBUG"}):
         assert zygote.launch([VLLM, "--version"], env, None, log) is None
     assert not Path(log).exists()
+
+
+def test_a_thread_in_another_network_namespace_is_left_alone(zygote, tmp_path):
+    """A thread inside a network namespace (devkit/netns.py runs engines so) spawns its
+    children there; the zygote's fork would be in the zygote's, so it is not used."""
+    box = {}
+
+    def body() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.unshare(CLONE_NEWNET) == 0, os.strerror(ctypes.get_errno())
+        box["proc"] = zygote.launch([VLLM, "--version"], ENV, None, str(tmp_path / "x.log"))
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert "proc" in box and box["proc"] is None
+    assert zygote.fits([VLLM, "--version"], ENV)  # from this thread it would fork
