@@ -810,6 +810,11 @@ def fault_matrix(r: Runs) -> str:
                 f"{f['lookup_timeout_s']:g} s, the master's client TTL "
                 f"{_fm_setting(f, 'client_ttl_s', 10)}; load average {f['loadavg_1m']:g}); "
                 f"recorded by `{FAULT_MATRIX_CMD}`.", ""]
+    refilled = [f"`{c['row']}` x {c['fault']} (" + ", ".join(
+        f"{k} {v:g}" for a in c["fill_lost_saves"] for k, v in sorted(a.items())) + ")"
+        for c in f["cells"] if c.get("fill_lost_saves")]
+    out += ["A cell's fill (its set-up, before the fault) that lost saves is served again: "
+            + ("; ".join(refilled) + "." if refilled else "none in this recording."), ""]
     return "\n".join(out)
 
 
