@@ -24,6 +24,7 @@ from devkit.local_cluster import HOST, MooncakeMaster, StoreNode
 from devkit.otlp_collector import RotelCollector
 from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, REPO, VllmServer, connector_kv_config
+from tests import suite_times
 from tests.engines import References, salted
 from tests.worker_kit import make_worker_on  # noqa: F401 - shared fixture
 
@@ -74,17 +75,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         longest_files_first(items)
 
 
-def longest_files_first(items: list[pytest.Item]) -> None:
-    """Files side by side (`--dist loadfile --no-loadscope-reorder`) are handed to the workers
-    in this order: longest first by the last recorded run (docs/suite-times.json; a file not
-    in it first), so no worker is left with a long file after the other has finished."""
+def recorded_seconds() -> dict[str, float]:
+    """Each test file's seconds in the recorded run (docs/suite-times.json), or {} without
+    one."""
     recorded: dict[str, float] = {}
     try:
-        for part in json.loads((REPO / "docs/suite-times.json").read_text())["parts"].values():
+        for part in json.loads(suite_times.OUT.read_text())["parts"].values():
             recorded.update(part["seconds_per_file"])
     except (OSError, ValueError, KeyError):
-        return
-    items.sort(key=lambda item: -recorded.get(item.nodeid.split("::", 1)[0], math.inf))
+        return {}
+    return recorded
+
+
+def longest_files_first(items: list[pytest.Item]) -> None:
+    """Files side by side (`--dist loadfile --no-loadscope-reorder`) are handed to the workers
+    in this order: longest first by the recorded run (a file not in it first), so no worker is
+    left with a long file after the other has finished."""
+    recorded = recorded_seconds()
+    if recorded:
+        items.sort(key=lambda item: -recorded.get(item.nodeid.split("::", 1)[0], math.inf))
 
 
 def make_prompts(n: int = 6, seed: int = 0) -> list[list[int]]:

@@ -53,7 +53,6 @@ connector (`references`), started after the connector's engines stopped.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -62,7 +61,7 @@ from devkit.tiny_model import make_tiny_llama, make_tiny_mla
 from devkit.vllm_server import VllmServer, connector_kv_config, engine_block_size, metric_sum
 from tests.conftest import engine_extra
 from tests.e2e.kv_events_kit import Subscriber, blocks_of
-from tests.e2e.store_kit import SETTLED
+from tests.e2e.store_kit import settled_keys, wait_for_saves
 from tests.engines import TP_START_TIMEOUT_S, salted, tp_args, tp_env
 
 pytestmark = pytest.mark.timed  # TP=2 engines: both cores (tests/conftest.py TIMING_MARKS)
@@ -122,18 +121,13 @@ def fill(server: VllmServer, prompts: list[list[int]]) -> list[list[int]]:
     nothing is local after it) and reported, each block's keys written, found or failed; a
     key a save did not write fails here, naming the cause, rather than as a miss of the
     engine that reads (CI once saw two of three prompts miss)."""
-    before = server.metrics()
+    before, settled0 = server.metrics(), settled_keys(server)
     outputs = [server.complete(p) for p in prompts]
     server.reset_prefix_cache()
     blocks = sum(len(p) // engine_block_size(server.model) for p in prompts)
-    deadline = time.monotonic() + 60
-    while True:
-        saves = {k: v for k, v in delta(server, before).items()
-                 if ("mooncake_pool_save" in k or "mooncake_pool_failures" in k) and v}
-        if sum(metric_sum(saves, f"vllm:mooncake_pool_{f}_total") for f in SETTLED) >= blocks:
-            break
-        assert time.monotonic() < deadline, (f"saves of {blocks} blocks not reported", saves)
-        time.sleep(0.3)
+    wait_for_saves(server, settled0 + blocks, timeout=60)
+    saves = {k: v for k, v in delta(server, before).items()
+             if ("mooncake_pool_save" in k or "mooncake_pool_failures" in k) and v}
     assert metric_sum(saves, "vllm:mooncake_pool_save_error_keys_total") == 0, saves
     return outputs
 

@@ -5,7 +5,6 @@ time, so a file that says neither is refused at collection, naming it."""
 from __future__ import annotations
 
 import ast
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,9 +68,7 @@ def test_side_by_side_workers_bind_their_engines_to_a_core_each(monkeypatch):
 def test_side_by_side_files_go_longest_first():
     """Under `--dist loadfile` the files are handed out longest first by the recorded run, a
     file the record lacks before them, each file's tests kept in their order."""
-    recorded = {}
-    for part in json.loads((ROOT / "docs/suite-times.json").read_text())["parts"].values():
-        recorded.update(part["seconds_per_file"])
+    recorded = conftest.recorded_seconds()
     by_time = {recorded[f]: f for f in recorded if f.startswith("tests/e2e/")}  # no ties
     known = [by_time[t] for t in sorted(by_time)[:3]]
     items = [Item(f"{f}::t{i}") for f in known for i in range(2)] + [Item("tests/e2e/new.py::t")]

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from devkit.vllm_server import REPO
+from devkit.vllm_server import server_pythonpath
 from devkit.vllm_zygote import Zygote
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 CLONE_NEWNET = 0x40000000
-ENV = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+ENV = {**os.environ, "PYTHONPATH": server_pythonpath()}
 
 
 @pytest.fixture(scope="module")
