@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,6 +58,7 @@ IN_PROCESS_TP1 = False
 # benchmarks keep real starts.
 FORK_API_SERVERS = False
 _zygote: Zygote | None = None
+_zygote_lock = threading.Lock()  # engines started together ask for it from several threads
 # Called as listener(server, seconds) after every start that served, whether or not it did:
 # the suite counts engine starts per test file with it (tests/suite_times.py).
 START_LISTENERS: list[Callable[[VllmServer, float], None]] = []
@@ -66,13 +68,26 @@ def forked(argv: list[str], env: dict[str, str], cwd: str | Path | None, log_pat
            ) -> ForkedProcess | None:
     """`argv` forked from this process's zygote (FORK_API_SERVERS), or None: not on, or the
     fork would not be the process `argv` starts (then spawn it)."""
-    global _zygote
     if not FORK_API_SERVERS:
         return None
-    if _zygote is None:
-        base = {**os.environ, **SERVER_ENV, "PYTHONPATH": server_pythonpath()}
-        _zygote = Zygote(base, _new_log_file())
-    return _zygote.launch(argv, env, cwd, log_path)
+    return _the_zygote().launch(argv, env, cwd, log_path)
+
+
+def prestart_zygote() -> None:
+    """Start this process's zygote in the background (FORK_API_SERVERS), so that its imports
+    overlap what a test sets up before its first engine; that engine's start waits for it."""
+    if FORK_API_SERVERS:
+        threading.Thread(target=_the_zygote, name="vllm-zygote-start", daemon=True).start()
+
+
+def _the_zygote() -> Zygote:
+    """This process's zygote, started on first use (a failed start is tried again then)."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None:
+            base = {**os.environ, **SERVER_ENV, "PYTHONPATH": server_pythonpath()}
+            _zygote = Zygote(base, _new_log_file())
+        return _zygote
 
 
 def server_pythonpath() -> str:
@@ -334,3 +349,28 @@ class VllmServer:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+def start_together(servers: list[VllmServer], timeout: float = 240.0) -> list[VllmServer]:
+    """Start `servers` at the same time, each from a thread of its own, and return them once
+    every one serves. A start is mostly one process importing vLLM on one core, so on a
+    2-core host two starts together take little longer than one. If a start fails, the others
+    are stopped and the first failure is raised."""
+    errors: list[BaseException] = []
+
+    def start(server: VllmServer) -> None:
+        try:
+            server.start(timeout=timeout)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(s,), daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for server in servers:
+            server.stop()
+        raise errors[0]
+    return servers

@@ -75,6 +75,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         longest_files_first(items)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A session that will start engines starts its vLLM zygote now, in the background: its
+    imports overlap the first test's set-up (devkit/vllm_zygote.py)."""
+    if any(item.nodeid.startswith(ENGINE_FILES) for item in session.items):
+        vllm_server.prestart_zygote()
+
+
 def recorded_seconds() -> dict[str, float]:
     """Each test file's seconds in the recorded run (docs/suite-times.json), or {} without
     one."""

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from devkit.vllm_server import Completion, VllmServer, metric_sum
+from devkit.vllm_server import Completion, VllmServer, metric_sum, start_together
 
 # TP=2 on a 2-core host: one core per rank (see tests/e2e/test_cross_tp.py).
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -64,12 +64,13 @@ def salted(server: VllmServer, prompts: list[list[int]], max_tokens: int = 8
 class References:
     """Greedy outputs of engines without the connector, cached for the session.
 
-    At most `max_ranks` engine ranks stay live (a TP=2 engine counts two); asking for another
-    engine stops the least recently used first. `release(model)` stops a model's engines when
-    a test knows it needs no more of them (the cache stays).
+    At most `max_ranks` engine ranks stay live (a TP=2 engine counts two: by default a model's
+    TP=1 and TP=2 engines together); asking for another engine stops the least recently used
+    first. `start(model, tps)` starts several at once; `release(model)` stops a model's engines
+    when a test knows it needs no more of them (the cache stays).
     """
 
-    def __init__(self, max_ranks: int = 2) -> None:
+    def __init__(self, max_ranks: int = 3) -> None:
         self.max_ranks = max_ranks
         self._live: OrderedDict[tuple[str, int], VllmServer] = OrderedDict()
         self._cache: dict[tuple[str, int, tuple[int, ...], int], Completion] = {}
@@ -86,16 +87,25 @@ class References:
                 self.computed += 1
         return [Completion(list(self._cache[k]), self._cache[k].dtype) for k in keys]
 
+    def start(self, model: str, tps: list[int]) -> None:
+        """Start `model`'s engines of these TP sizes that are not live, together
+        (`start_together`): the outputs asked for next wait for one start, not one per size."""
+        tps = [tp for tp in dict.fromkeys(tps) if (model, tp) not in self._live]
+        self._make_room(sum(tps))
+        servers = [VllmServer(model, env=tp_env(tp), extra_args=tp_args(tp)) for tp in tps]
+        start_together(servers, TP_START_TIMEOUT_S)
+        self._live.update(((model, tp), s) for tp, s in zip(tps, servers, strict=True))
+
     def _engine(self, model: str, tp: int) -> VllmServer:
-        key = (model, tp)
-        if key in self._live:
-            self._live.move_to_end(key)
-            return self._live[key]
-        while self._live and sum(t for _, t in self._live) + tp > self.max_ranks:
+        if (model, tp) not in self._live:
+            self.start(model, [tp])
+        self._live.move_to_end((model, tp))
+        return self._live[(model, tp)]
+
+    def _make_room(self, ranks: int) -> None:
+        """Stop the least recently used engines until `ranks` more fit in `max_ranks`."""
+        while self._live and sum(t for _, t in self._live) + ranks > self.max_ranks:
             self._live.popitem(last=False)[1].stop()
-        server = VllmServer(model, env=tp_env(tp), extra_args=tp_args(tp))
-        self._live[key] = server.start(timeout=TP_START_TIMEOUT_S if tp > 1 else 240.0)
-        return server
 
     def release(self, model: str) -> None:
         for key in [k for k in self._live if k[0] == model]:

@@ -4,7 +4,9 @@ gives the greedy tokens of an engine without the connector; then the TP=1 engine
 TP=2 engine that filled first loads (its local prefix cache reset, so its prefixes can only come
 from the store; it stays up meanwhile instead of a second TP=2 start). Both sides run with
 `store_tp_size: 2` (the in-tree setting: each block is two objects of half the KV heads,
-whichever TP size wrote them).
+whichever TP size wrote them). The two engines start together (`start_together`: a start is
+mostly one process importing vLLM, on one core), and the reader waits idle until the writer's
+saves are all reported.
 
 Three models: a Llama with 8 heads and 4 KV heads (GQA: each TP=2 rank moves its own shard, the
 TP=1 engine both), a Llama with sliding-window layers beside full attention (two KV cache
@@ -47,7 +49,7 @@ the writer's, as a bit-exact copy of the writer's prefix should.
 This is also where the suite shows that a salted reference is the output of an engine without
 the connector, once per layout the other files rely on it for: GQA, hybrid and MLA at TP=1 and
 GQA at TP=2 (the fault matrix's rows use the same models), against engines without the
-connector (`references`), started after the connector's engines stopped.
+connector (`references`), started together after the connector's engines stopped.
 """
 
 from __future__ import annotations
@@ -58,7 +60,13 @@ import pytest
 
 from devkit.local_cluster import local_pool
 from devkit.tiny_model import make_tiny_llama, make_tiny_mla
-from devkit.vllm_server import VllmServer, connector_kv_config, engine_block_size, metric_sum
+from devkit.vllm_server import (
+    VllmServer,
+    connector_kv_config,
+    engine_block_size,
+    metric_sum,
+    start_together,
+)
 from tests.conftest import engine_extra
 from tests.e2e.kv_events_kit import Subscriber, blocks_of
 from tests.e2e.store_kit import settled_keys, wait_for_saves
@@ -76,9 +84,15 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def patient_master():
-    """A master that keeps an object leased for a minute after a lookup, and its store node."""
+    """A master that keeps an object leased for two minutes after a lookup, and its store
+    node; and that waits as long for a client's heartbeat before it drops the client and
+    unmounts its segment (Mooncake's `--client_ttl`, 10 s by default). Seen here with the
+    default: the master's own 10-s log line came 10 s late, then it dropped the store node
+    (alive all along) and the 11 saves of one prompt whose puts were in flight on its segment
+    (`BatchPutEnd` OBJECT_NOT_FOUND); the segment was mounted again 10 s later."""
     with local_pool("512MB", extra_args=(
-            f"--default_kv_lease_ttl={int(LOAD_TIMEOUT_S * 1000)}",)) as (master, _node):
+            f"--default_kv_lease_ttl={int(LOAD_TIMEOUT_S * 1000)}",
+            f"--client_ttl={int(LOAD_TIMEOUT_S)}")) as (master, _node):
         yield master
 
 
@@ -90,9 +104,9 @@ def distinct_prompts(seed: int, n: int = 3, tokens: int = 368) -> list[list[int]
 
 def engine(model: str, tp: int, master, prefix: str, store_tp: int = 2,
            events: tuple[Subscriber, str] | None = None) -> VllmServer:
-    """An engine with the connector (float32, VllmServer's default), `tp` ranks; with `events`
-    (a subscriber and a topic) it publishes the store's KV events there (no removal sweep:
-    this store never evicts)."""
+    """An engine with the connector (float32, VllmServer's default), `tp` ranks, not started
+    (`start_together`); with `events` (a subscriber and a topic) it publishes the store's KV
+    events there (no removal sweep: this store never evicts)."""
     extra = engine_extra(master, cache_prefix=prefix, store_tp_size=store_tp,
                          lookup_timeout_s=LOAD_TIMEOUT_S, load_timeout_s=LOAD_TIMEOUT_S,
                          save_timeout_s=LOAD_TIMEOUT_S, sync_load_ms=0)
@@ -101,8 +115,7 @@ def engine(model: str, tp: int, master, prefix: str, store_tp: int = 2,
         sub, topic = events
         extra.update(kv_events="on", kv_events_sweep_s=0)
         args += sub.engine_args(topic)
-    return VllmServer(model, connector_kv_config(extra), env=tp_env(tp), extra_args=args
-                      ).start(timeout=TP_START_TIMEOUT_S)
+    return VllmServer(model, connector_kv_config(extra), env=tp_env(tp), extra_args=args)
 
 
 def delta(server: VllmServer, before: dict) -> dict:
@@ -209,23 +222,24 @@ def test_tp2_and_tp1_engines_share_the_store(kind, tmp_path_factory, patient_mas
     first, second = distinct_prompts(1), distinct_prompts(2)
     prefix = f"cross-tp-{kind}"
 
-    # Fills (each rank stores its objects) and announces each block once; later reads.
+    # The TP=2 engine fills (each rank stores its objects) and announces each block once;
+    # the TP=1 engine, started with it and idle meanwhile, loads those blocks, then fills.
     tp2 = engine(model, 2, master, prefix, events=(sub, kind))
+    tp1 = engine(model, 1, master, prefix)
     try:
+        start_together([tp2, tp1], TP_START_TIMEOUT_S)
         filled2, _ = serve(tp2, first)
         check_one_event_per_block(sub, kind, tp2, first)  # and then nothing is local
 
-        tp1 = engine(model, 1, master, prefix)  # loads the TP=2 engine's blocks, then fills
-        try:
-            got1, delta1 = serve(tp1, first)
-            filled1 = fill(tp1, second)
-            want1 = [salted(tp1, ps) for ps in (first, second)]
-        finally:
-            tp1.stop()
+        got1, delta1 = serve(tp1, first)
+        filled1 = fill(tp1, second)
+        want1 = [salted(tp1, ps) for ps in (first, second)]
+        tp1.stop()
 
         got2, delta2 = serve(tp2, second)  # and the reverse, on the engine that filled
         want2 = [salted(tp2, ps) for ps in (first, second)]
     finally:
+        tp1.stop()
         tp2.stop()
     assert filled2 == want2[0] and filled1 == want1[1]
     check_outputs(got1, want1[0], want2[0])
@@ -242,6 +256,7 @@ def salted_is_unconnected(references, model: str, salted_outputs: dict, prompt_s
                           ) -> None:
     """The salted outputs of the connector's engines (per TP size; None: not checked at that
     size) are exactly the outputs of an engine without the connector of the same TP size."""
+    references.start(model, [tp for tp, out in salted_outputs.items() if out is not None])
     for tp, outputs in salted_outputs.items():
         if outputs is None:
             continue
@@ -253,20 +268,21 @@ def salted_is_unconnected(references, model: str, salted_outputs: dict, prompt_s
 
 def reads_slices(model: str, master, prefix: str, prompts: list) -> None:
     """store_tp_size 1: a TP=1 engine stores each block as one object; each rank of a TP=2
-    engine reads only its half of it (ranged gets), and saves nothing."""
+    engine (started with it, idle until then) reads only its half of it (ranged gets), and
+    saves nothing."""
     tp1 = engine(model, 1, master, prefix, store_tp=1)
-    try:
-        filled = fill(tp1, prompts)  # every save stored before the TP=2 engine looks
-        want1 = salted(tp1, prompts)
-    finally:
-        tp1.stop()
-    assert filled == want1
     tp2 = engine(model, 2, master, prefix, store_tp=1)
     try:
+        start_together([tp1, tp2], TP_START_TIMEOUT_S)
+        filled = fill(tp1, prompts)  # every save stored before the TP=2 engine looks
+        want1 = salted(tp1, prompts)
+        tp1.stop()
         got, delta = serve(tp2, prompts)
         want2 = salted(tp2, prompts)
     finally:
+        tp1.stop()
         tp2.stop()
+    assert filled == want1
     check_outputs(got, want2, want1)
     check_from_store(delta, prompts, 2)
     assert metric_sum(delta, "vllm:mooncake_pool_layout_keys_total", op="load",

@@ -6,8 +6,9 @@ vLLM (0.32) drains for --shutdown-timeout after SIGTERM, then EngineCore's shutd
 connector's: queued saves go on for SHUTDOWN_SAVE_DRAIN_S, and what is left is counted and
 logged ("shutdown: N store keys ...; took Ts"). So for each engine: the connector's shutdown ran
 and took SHUTDOWN_BOUND_S at most, keys the store gained + keys counted as lost == keys the
-prompts offered; and a fresh engine then takes the stored prefixes from the store, with the
-outputs the stopped engines gave (all float32).
+prompts offered; and a fresh engine (started with them, idle until then, so nothing of its
+own is cached) then takes the stored prefixes from the store, with the outputs the stopped
+engines gave (all float32).
 SIGTERM goes to the API server only, as Kubernetes sends it to the container's first process.
 The stops here find little or nothing still queued (the store is healthy and fast), so they
 check the accounting and the bound, not the drain itself (tests/store/test_deadlines.py's
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from connector.worker.worker import SHUTDOWN_BOUND_S
-from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum, parse_metrics
+from devkit.vllm_server import BLOCK_SIZE, VllmServer, metric_sum, parse_metrics, start_together
 from tests.conftest import engine_extra
 from tests.e2e.store_kit import PREFIX, saved_blocks, store_hits
 
@@ -94,33 +95,31 @@ def test_a_stopped_engine_saves_or_counts_every_key(tiny_model, master, store_no
     prompts = distinct_prompts()
     half = len(prompts) // 2
     runs = {}
-    alone = VllmServer(tiny_model, ours(master), env={"VLLM_PLUGINS": ""},
-                       extra_args=SHUTDOWN).start()
-    try:
-        runs["alone"] = serve_then_stop(alone, master, prompts[:half])
-    finally:
-        alone.stop()
+    alone = VllmServer(tiny_model, ours(master), env={"VLLM_PLUGINS": ""}, extra_args=SHUTDOWN)
     multi = VllmServer(tiny_model, in_multi(master, tmp_path / "example"),
-                       env={"VLLM_PLUGINS": ""}, extra_args=SHUTDOWN).start()
+                       env={"VLLM_PLUGINS": ""}, extra_args=SHUTDOWN)
+    fresh = VllmServer(tiny_model, ours(master), env={"VLLM_PLUGINS": ""})
     try:
+        # All three start together and wait idle for their turn: an idle engine beside a
+        # stopping one takes no CPU from its shutdown, and saves or loads nothing.
+        start_together([alone, multi, fresh])
+        runs["alone"] = serve_then_stop(alone, master, prompts[:half])
         runs["multi"] = serve_then_stop(multi, master, prompts[half:])
-    finally:
-        multi.stop()
-    for name, run in runs.items():
-        # The connector's shutdown ran (it logs its account once per worker) ...
-        assert run["lines"] == 1, f"{name}: no connector shutdown ran (vLLM killed EngineCore?)"
-        # ... within its stated bound ...
-        assert run["shutdown_s"] <= SHUTDOWN_BOUND_S, (name, run)
-        # ... and every key the prompts offered is in the store or counted as lost.
-        assert run["stored"] + run["lost"] == run["offered"], (name, run)
-    fresh = VllmServer(tiny_model, ours(master), env={"VLLM_PLUGINS": ""}).start()
-    try:
+        for name, run in runs.items():
+            # The connector's shutdown ran (it logs its account once per worker) ...
+            assert run["lines"] == 1, (f"{name}: no connector shutdown ran (vLLM killed "
+                                       f"EngineCore?)")
+            # ... within its stated bound ...
+            assert run["shutdown_s"] <= SHUTDOWN_BOUND_S, (name, run)
+            # ... and every key the prompts offered is in the store or counted as lost.
+            assert run["stored"] + run["lost"] == run["offered"], (name, run)
         fresh.reset_prefix_cache()
         before = fresh.metrics()
         outputs = [fresh.complete(p) for p in prompts]
         after = fresh.metrics()
     finally:
-        fresh.stop()
+        for server in (alone, multi, fresh):
+            server.stop()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert outputs == runs["alone"]["outputs"] + runs["multi"]["outputs"]
     hits = store_hits(delta)

@@ -3,10 +3,10 @@
 `staging: off`, the path GPUs take: every put is a zero-copy call that reads the KV blocks for
 its whole duration. A store node of this module's own is frozen (SIGSTOP) until a save call
 has outlived `save_timeout_s` and the engine has preempted, while it serves a burst that
-preempts (a 40-block KV cache). Afterwards a fresh engine loads those prefixes from the store
-and must give the greedy tokens of the prompts computed from scratch (salted, on that engine
-once it has loaded: tests/engines.py): no stored block holds another request's KV. Engines
-run float32, `VllmServer`'s default.
+preempts (a 40-block KV cache). Afterwards a fresh engine (started with the first, idle until
+then) loads those prefixes from the store and must give the greedy tokens of the prompts
+computed from scratch (salted, on that engine once it has loaded: tests/engines.py): no stored
+block holds another request's KV. Engines run float32, `VllmServer`'s default.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from connector.observability.metric_catalog import PREFIX as P
 from devkit.processes import freeze, thaw
-from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum
+from devkit.vllm_server import VllmServer, connector_kv_config, metric_sum, start_together
 from tests.conftest import engine_extra, make_prompts
 from tests.engines import salted
 
@@ -53,8 +53,10 @@ def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_
     master, node = cluster
     work = make_prompts(6, seed=25)
 
-    a = engine(tiny_model, master, "--num-gpu-blocks-override", "40").start()
+    a = engine(tiny_model, master, "--num-gpu-blocks-override", "40")
+    b = engine(tiny_model, master)  # started with `a`, idle (nothing cached) until it loads
     try:
+        start_together([a, b])
         before = a.metrics()
         freeze(node.proc)
         frozen_at = time.monotonic()
@@ -88,15 +90,12 @@ def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_
                 break
             assert time.monotonic() < deadline, "saves never drained after the freeze"
             time.sleep(0.5)
-    finally:
         a.stop()
-
-    b = engine(tiny_model, master).start()
-    try:
         again = [b.complete(p, MAX_TOKENS) for p in work]
         m = b.metrics()
         truth = salted(b, work, MAX_TOKENS)
     finally:
+        a.stop()
         b.stop()
     assert served == truth * 2, "a request served during the freeze changed its output"
     assert again == truth, "a block loaded from the store holds another request's KV"
