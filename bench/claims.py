@@ -697,29 +697,48 @@ SUITE_GOAL_MIN = 20.0  # the goal behind it (issue 30)
 FAST_TARGET_MIN = 3.0  # scripts/test.sh --fast
 
 
-def _suite_targets(parts: dict[str, Any]) -> str:
-    """The targets, judged from the recorded figures: met or missed, never restated."""
+def _command_wall(t: dict[str, Any], command: str) -> float | None:
+    """`command`'s recorded wall clock in seconds (its set-up included), or None."""
+    return t.get("commands", {}).get(command, {}).get("wall_s")
+
+
+def _suite_targets(t: dict[str, Any]) -> str:
+    """The targets, judged from the recorded figures: met or missed, never restated. The whole
+    command is judged by its own wall clock; a recording without one is not judged."""
+    parts = t["parts"]
     whole = [p for name, p in parts.items() if name.startswith("phase")]
     out = []
     if whole:
-        wall = sum(p["wall_s"] for p in whole) / 60
         starts = sum(p["engine_start_s"] for p in whole) / 60
-        out.append(f"Target: the whole command within {SUITE_TARGET_MIN:g} minutes on 2 cores: "
-                   f"**{'met' if wall <= SUITE_TARGET_MIN else 'missed'}** ({wall:.1f} min, "
-                   f"of which {starts:.1f} min starting engines); the goal of "
-                   f"{SUITE_GOAL_MIN:g} minutes: "
-                   f"**{'met' if wall <= SUITE_GOAL_MIN else 'missed'}**.")
+        wall_s = _command_wall(t, "scripts/test.sh")
+        if wall_s is None:
+            out.append(f"Target: the whole command within {SUITE_TARGET_MIN:g} minutes on 2 "
+                       "cores: **not judged** (this recording has its phases, not the "
+                       "command's wall clock).")
+        else:
+            wall = wall_s / 60
+            out.append(f"Target: the whole command within {SUITE_TARGET_MIN:g} minutes on 2 "
+                       f"cores: **{'met' if wall <= SUITE_TARGET_MIN else 'missed'}** "
+                       f"({wall:.1f} min by the wall clock, set-up included, of which "
+                       f"{starts:.1f} min starting engines); the goal of "
+                       f"{SUITE_GOAL_MIN:g} minutes: "
+                       f"**{'met' if wall <= SUITE_GOAL_MIN else 'missed'}**.")
     fast = [p for name, p in parts.items() if name.startswith("fast")]
     if fast:
-        wall = fast[0]["wall_s"] / 60
+        wall_s = _command_wall(t, "scripts/test.sh --fast")
+        wall, what = ((wall_s, "by the wall clock, set-up included") if wall_s is not None
+                      else (fast[0]["wall_s"], "its pytest run; the command's wall clock not "
+                            "recorded"))
         out.append(f"Target: `--fast` within {FAST_TARGET_MIN:g} minutes: "
-                   f"**{'met' if wall <= FAST_TARGET_MIN else 'missed'}** ({wall:.1f} min).")
+                   f"**{'met' if wall / 60 <= FAST_TARGET_MIN else 'missed'}** "
+                   f"({wall / 60:.1f} min, {what}).")
     return "\n" + "\n".join(out) + "\n" if out else ""
 
 
 def suite_times(r: Runs) -> str:
     """Each part of `scripts/test.sh` (its phases, and the fast tier) with its time, tests and
-    engine starts, then the starts per test file, from docs/suite-times.json."""
+    engine starts, the command's own wall clock, then the starts per test file, from
+    docs/suite-times.json."""
     t = r.suite_times
     if t is None:
         return ("\nNo run recorded yet: `RECORD_SUITE_TIMES=1 scripts/test.sh` (and "
@@ -730,8 +749,14 @@ def suite_times(r: Runs) -> str:
             f"{p['engine_start_s'] / 60:.1f} min |" for name, p in sorted(parts.items())]
     whole = [p for name, p in parts.items() if name.startswith("phase")]
     if whole:
-        rows.append(f"| **the whole command** | **{sum(p['wall_s'] for p in whole) / 60:.1f} "
-                    f"min** | {sum(p['tests'] for p in whole)} | "
+        phases = sum(p["wall_s"] for p in whole)
+        wall_s = _command_wall(t, "scripts/test.sh")
+        if wall_s is not None:
+            rows.append(f"| outside the phases (set-up, `ruff`, starting pytest) | "
+                        f"{(wall_s - phases) / 60:.1f} min | | | |")
+        total = "not recorded" if wall_s is None else f"{wall_s / 60:.1f} min"
+        rows.append(f"| **the whole command** (wall clock) | **{total}** | "
+                    f"{sum(p['tests'] for p in whole)} | "
                     f"{sum(p['engine_starts'] for p in whole)} | "
                     f"{sum(p['engine_start_s'] for p in whole) / 60:.1f} min |")
     files: dict[str, list[float]] = {}  # file -> [engine starts, seconds in its tests]
@@ -743,9 +768,11 @@ def suite_times(r: Runs) -> str:
     slow = sorted(((f, n, s) for f, (n, s) in files.items() if n or s >= 60),
                   key=lambda row: -row[2])
     per_file = "\n".join(f"| `{f}` | {n} | {s / 60:.1f} min |" for f, n, s in slow)
-    return f"""{_suite_targets(parts)}
+    return f"""{_suite_targets(t)}
 Measured by `RECORD_SUITE_TIMES=1 scripts/test.sh` at commit {t['commit']}, {t['recorded']}, on
-{t['cpus']} CPUs ({t['cpu_model']}); the setup and `ruff` before the phases are not counted.
+{t['cpus']} CPUs ({t['cpu_model']}), already set up (the set-up's checks are in the wall clock;
+a first set-up's downloads are not). Engine starts that overlap (engines a test starts
+together) each count their own seconds.
 
 | part | wall time | tests | engine starts | of which starting engines |
 |---|---|---|---|---|

@@ -7,7 +7,10 @@ its seconds from launch to serving; under pytest-xdist each worker counts its ow
 them to the controller at its end. The terminal summary prints the starts per file. With
 RECORD_SUITE_TIMES set, the run writes its part (wall time, tests, engine starts and seconds,
 starts per file) into docs/suite-times.json beside the other parts, which `bench.claims`
-renders into the table of docs/development.md: the table's figures are a real run's.
+renders into the table of docs/development.md: the table's figures are a real run's. The
+command's own wall clock, from its first line (set-up included) to its last, is written by
+`scripts/test.sh` itself (`python -m tests.suite_times COMMAND BEGAN PATH`): the whole
+command is judged by it, not by the sum of its phases.
 """
 
 from __future__ import annotations
@@ -109,5 +112,21 @@ def run_meta() -> dict:
             "recorded": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def merge_command(path: Path, command: str, began: float) -> dict:
+    """The JSON at `path` with `command`'s wall clock from `began` (epoch seconds) to now."""
+    data = json.loads(path.read_text()) if path.exists() else {"parts": {}}
+    data.setdefault("commands", {})[command] = {"wall_s": round(time.time() - began, 1)}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return data
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SuiteTimes(config), "suite-times")
+
+
+if __name__ == "__main__":  # scripts/test.sh, at its end: COMMAND BEGAN PATH
+    import sys
+
+    name, began, out = sys.argv[1:]
+    print(f"{name}: {merge_command(Path(out), name, float(began))['commands'][name]['wall_s']}"
+          f" s, written to {out}")
