@@ -19,6 +19,7 @@
 # RECORD_SUITE_TIMES=1 scripts/test.sh writes each phase's time, tests and engine starts into
 # docs/suite-times.json (tests/suite_times.py), the table of docs/development.md.
 set -euo pipefail
+began=$(date +%s.%N)  # the command's wall clock, set-up included (RECORD_SUITE_TIMES)
 cd "$(dirname "$0")/.."
 
 fast=0 named=0 args=()
@@ -37,7 +38,11 @@ scripts/setup.sh
 .venv/bin/ruff check .
 
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider -p tests.skip_policy -p tests.suite_times)
-WORKERS=(-n 4)  # processes waiting on masters and store nodes, not computing: 4 on 2 cores
+# Processes waiting on masters and store nodes, not computing: 4 on 2 cores. A file at a time
+# each, longest first (tests/conftest.py): a module's fixtures are set up once (spread test by
+# test, a worker tore a module's fixtures down between two of its tests and set them up again,
+# an HA client's close waiting 30 s each time).
+WORKERS=(-n 4 --dist loadfile --no-loadscope-reorder)
 SMOKE=tests/deploy/test_helm_smoke.py
 
 # One phase: pytest with RECORD_SUITE_TIMES naming the part; "no tests ran" (5) is no failure
@@ -54,8 +59,16 @@ if (( named )); then  # the tests asked for, as one serial run
   exec "${PYTEST[@]}" "${args[@]}"
 fi
 
+# With RECORD_SUITE_TIMES, the command's own wall clock beside its parts.
+record_command() {
+  if [[ -n ${RECORD_SUITE_TIMES:-} ]]; then
+    .venv/bin/python -m tests.suite_times "$1" "$began" "$2"
+  fi
+}
+
 if (( fast )); then
   phase "fast: unit + store" "${WORKERS[@]}" tests/unit tests/store ${args[@]+"${args[@]}"}
+  record_command "scripts/test.sh --fast" docs/suite-times.json
   exit 0
 fi
 
@@ -65,14 +78,16 @@ if [[ -n ${RECORD_SUITE_TIMES:-} && -z ${SUITE_TIMES_PARTS:-} ]]; then
 fi
 phase "phase 1: unit + store + deploy (xdist)" "${WORKERS[@]}" tests/unit tests/store \
   tests/deploy --ignore "$SMOKE" ${args[@]+"${args[@]}"}
-# The unit tier once more against vLLM 0.33's sources, the version the image ships (~25 s).
+# The unit tier once more against vLLM 0.33's sources, the version the image ships, on two
+# workers (the unit tier computes: one per core).
 RECORD_SUITE_TIMES=${RECORD_SUITE_TIMES:+"phase 1b: unit on vLLM 0.33"} scripts/unit_033.sh -q \
-  -p tests.suite_times ${args[@]+"${args[@]}"}
+  -n 2 -p tests.suite_times ${args[@]+"${args[@]}"}
 phase "phase 2a: e2e timed (serial)" -m timed tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
 PIN_ENGINES_PER_WORKER=1 phase "phase 2b: e2e side by side (2 workers)" -n 2 --dist loadfile \
   --no-loadscope-reorder \
   -m side_by_side tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
 if [[ -n ${SUITE_TIMES_PARTS:-} ]]; then
+  record_command "scripts/test.sh" "$SUITE_TIMES_PARTS"
   mv "$SUITE_TIMES_PARTS" docs/suite-times.json
   echo "docs/suite-times.json: this run's times; python -m bench.claims renders them"
 fi

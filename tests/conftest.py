@@ -62,7 +62,9 @@ def pin_engines_to_worker_core() -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """An engine test file without exactly one timing mark is a usage error naming it: a
-    new file must say whether it may run beside another one."""
+    new file must say whether it may run beside another one. On a pytest-xdist worker (whose
+    collection order the controller hands out; its own `--dist` reads "no" there) the files
+    go longest first."""
     bad = sorted({item.nodeid.split("::", 1)[0] for item in items
                   if item.nodeid.startswith(ENGINE_FILES)
                   and len({m.name for m in item.iter_markers()} & set(TIMING_MARKS)) != 1})
@@ -71,7 +73,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"{', '.join(bad)}: mark the file with exactly one of "
             f"pytestmark = pytest.mark.timed ({TIMING_MARKS['timed']}) or "
             f"pytest.mark.side_by_side ({TIMING_MARKS['side_by_side']})")
-    if config.getoption("dist", "no") == "loadfile":
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         longest_files_first(items)
 
 

@@ -202,8 +202,9 @@ def ha_config(cluster: HaCluster, proxy):
 @pytest.fixture(scope="module")
 def ha_etcd_proxy(ha_etcd):
     """(group, the session's proxy in front of its etcd, a handle reading through it, its
-    probe errors). One handle for the module: closing an HA client takes Mooncake tens of
-    seconds."""
+    probe errors). One handle for the module (scripts/test.sh hands out a file at a time, so
+    one worker runs them all): closing an HA client takes Mooncake up to 30 s
+    (docs/reliability-bounds.md)."""
     cluster = ha_group(ha_etcd, "garbage", segment_size="64MB").start()
     proxy = ha_etcd[1]
     errors: list[float] = []

@@ -65,6 +65,19 @@ def test_side_by_side_workers_bind_their_engines_to_a_core_each(monkeypatch):
     assert conftest.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
 
 
+def test_xdist_workers_order_their_collection_longest_first(monkeypatch):
+    """The controller hands out files in its workers' collection order, and a worker's own
+    `--dist` option reads "no": the order is the workers' to set, whatever that option says."""
+    recorded = conftest.recorded_seconds()
+    short, long = min(recorded, key=recorded.get), max(recorded, key=recorded.get)
+    config = SimpleNamespace(getoption=lambda name, default=None: "no")
+    for worker, want in (("gw0", [long, short]), ("", [short, long])):  # "": not under xdist
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        items = [Item(f"{short}::t", ["timed"]), Item(f"{long}::t", ["timed"])]
+        conftest.pytest_collection_modifyitems(config, items)
+        assert [i.nodeid.split("::")[0] for i in items] == want, worker
+
+
 def test_side_by_side_files_go_longest_first():
     """Under `--dist loadfile` the files are handed out longest first by the recorded run, a
     file the record lacks before them, each file's tests kept in their order."""
