@@ -26,7 +26,6 @@ from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, REPO, VllmServer, connector_kv_config
 from tests import suite_times
 from tests.engines import References, salted
-from tests.worker_kit import make_worker_on  # noqa: F401 - shared fixture
 
 vllm_server.IN_PROCESS_TP1 = True  # the tests' TP=1 engines start without a worker process
 vllm_server.FORK_API_SERVERS = True  # their API servers fork from one that imported vLLM
