@@ -15,10 +15,13 @@ command is judged by it, not by the sum of its phases.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,12 +38,27 @@ PARTS = Path(os.environ.get("SUITE_TIMES_PARTS", OUT))
 ENV = "RECORD_SUITE_TIMES"
 
 
+@contextmanager
+def _updating(path: Path) -> Iterator[dict]:
+    """The JSON at `path` (or a new one), written back at the end; under a lock, since phases
+    that run side by side (1 and 1b) each write their part."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        data = json.loads(text) if text.strip() else {"parts": {}}
+        yield data
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def merge_part(path: Path, part: str, figures: dict, meta: dict) -> dict:
     """The JSON at `path` with `part` replaced by `figures` (other parts kept)."""
-    data = json.loads(path.read_text()) if path.exists() else {"parts": {}}
-    data.update(meta)
-    data["parts"][part] = figures
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    with _updating(path) as data:
+        data.update(meta)
+        data["parts"][part] = figures
+    return data
     return data
 
 
@@ -48,6 +66,7 @@ class SuiteTimes:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.began = time.monotonic()
+        self.began_at = time.time()  # the span, to tell phases that ran side by side
         self.current = "(outside a test)"
         self.starts: dict[str, list[float]] = {}  # test file -> seconds of each start
         self.seconds: dict[str, float] = {}  # test file -> its tests' setup, call, teardown
@@ -82,6 +101,7 @@ class SuiteTimes:
     def figures(self) -> dict:
         every = [s for secs in self.starts.values() for s in secs]
         return {"wall_s": round(time.monotonic() - self.began, 1), "tests": self.tests,
+                "span": [round(self.began_at, 1), round(time.time(), 1)],
                 "engine_starts": len(every), "engine_start_s": round(sum(every), 1),
                 "starts_per_file": {f: len(s) for f, s in sorted(self.starts.items())},
                 "seconds_per_file": {f: round(s, 1) for f, s in sorted(self.seconds.items())}}
@@ -114,9 +134,8 @@ def run_meta() -> dict:
 
 def merge_command(path: Path, command: str, began: float) -> dict:
     """The JSON at `path` with `command`'s wall clock from `began` (epoch seconds) to now."""
-    data = json.loads(path.read_text()) if path.exists() else {"parts": {}}
-    data.setdefault("commands", {})[command] = {"wall_s": round(time.time() - began, 1)}
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    with _updating(path) as data:
+        data.setdefault("commands", {})[command] = {"wall_s": round(time.time() - began, 1)}
     return data
 
 

@@ -136,6 +136,13 @@ def test_suite_times_table_is_a_whole_recorded_run(tmp_path):
     assert "| outside the phases (set-up, `ruff`, starting pytest) | 15.5 min | | | |" in body
     assert "| **the whole command** (wall clock) | **30.5 min** | 600 | 4 | 2.0 min |" in body
     assert "within 30 minutes on 2 cores: **missed** (30.5 min by the wall clock" in body
+    # Phases side by side (their spans overlap) count once in the time outside them.
+    spans = {"phase 1: a": [0.0, 600.0], "phase 2: b": [500.0, 800.0]}
+    (tmp_path / "suite-times.json").write_text(json.dumps(
+        {**run, "commands": {"scripts/test.sh": {"wall_s": 830.0}},
+         "parts": {n: {**p, "span": spans[n]} for n, p in run["parts"].items()}}))
+    body = claims.suite_times(claims.Runs(tmp_path))
+    assert "| outside the phases (set-up, `ruff`, starting pytest) | 0.5 min | | | |" in body
     # starts and minutes add up over the parts; a file without a start shows from a minute
     assert "| `tests/e2e/test_a.py` | 4 | 3.0 min |" in body
     assert "| `tests/unit/test_c.py` | 0 | 2.0 min |" in body
