@@ -96,9 +96,9 @@ def recorded_seconds() -> dict[str, float]:
 
 
 def longest_files_first(items: list[pytest.Item]) -> None:
-    """Files side by side (`--dist loadfile --no-loadscope-reorder`) are handed to the workers
-    in this order: longest first by the recorded run (a file not in it first), so no worker is
-    left with a long file after the other has finished."""
+    """Files handed out a file at a time (`--dist loadfile --no-loadscope-reorder`: phases 1
+    and 2b) go to the workers in this order: longest first by the recorded run (a file not in
+    it first), so no worker is left with a long file after the others have finished."""
     recorded = recorded_seconds()
     if recorded:
         items.sort(key=lambda item: -recorded.get(item.nodeid.split("::", 1)[0], math.inf))

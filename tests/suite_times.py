@@ -59,7 +59,6 @@ def merge_part(path: Path, part: str, figures: dict, meta: dict) -> dict:
         data.update(meta)
         data["parts"][part] = figures
     return data
-    return data
 
 
 class SuiteTimes:
