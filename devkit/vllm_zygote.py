@@ -1,16 +1,17 @@
 """Start `vllm serve` API servers by forking a process that has already imported vLLM.
 
-An engine start on the 2-core test host takes about 23 s, and about 10 s of it is the API
-server importing vLLM (torch, transformers, vLLM's config and entrypoint modules) before it
-parses its arguments; its EngineCore, a process vLLM's CPU platform spawns, imports vLLM again
-(another ~10 s), and that one stays. This module keeps one process per test process (the
-zygote) that has made those imports once. For each engine it forks, and the child does what a
-fresh `vllm serve` would: its own session, stdout and stderr appended to the log, the engine's
-working directory and environment, `sys.argv` as the command line, then vLLM's CLI `main()`;
-at its end the exit handlers run, as at interpreter exit, and the child exits with main's
-status. (What vLLM prints while it is imported goes to the zygote's log, once.) Everything
-after the imports (argument parsing, config, the EngineCore and its
-workers, the connector) is vLLM's own code in a process of its own.
+Most of an engine start on the 2-core test host was imports: the API server importing vLLM
+(torch, transformers, vLLM's config and entrypoint modules) before it parses its arguments,
+then its EngineCore, a process vLLM's CPU platform spawns, importing vLLM again. This module
+keeps one process per test process (the zygote) that has made those imports once. For each
+engine it forks, and the child does what a fresh `vllm serve` would: its own session, stdout
+and stderr appended to the log, the engine's working directory and environment, `sys.argv` as
+the command line, then vLLM's CLI `main()`; at its end the exit handlers run, as at interpreter
+exit, and the child exits with main's status. (What vLLM prints while it is imported goes to
+the zygote's log, once.) The child forks its EngineCore in turn (`_fork_engine_cores`), as
+vLLM does where no platform asks for spawn. Everything after the imports (argument parsing,
+config, the EngineCore and its workers, the connector) is vLLM's own code in a process of its
+own.
 
 What a fork cannot change is fixed when the zygote starts: `sys.path` (PYTHONPATH), the
 interpreter's flags and hash seed, and what vLLM and torch read at import (logging settings,
@@ -93,6 +94,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str | None, log: str,
         # engine's environment says otherwise: as in a process that imported them itself.
         os.environ.update({**import_env, **env})
         sys.argv = list(argv)
+        _fork_engine_cores()
         from vllm.entrypoints.cli.main import main
 
         result = main()
@@ -111,6 +113,19 @@ def _child(argv: list[str], env: dict[str, str], cwd: str | None, log: str,
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _fork_engine_cores() -> None:
+    """The EngineCore of this API server forked from it, as vLLM starts it by default where no
+    platform asks for spawn (its GPU hosts), instead of spawned as its CPU platform asks: it
+    inherits the imports instead of making them again (about 8 s of a 12-s start here). Only
+    the EngineCore: a TP>1 engine's workers are still spawned, since each reads the OpenMP
+    binding vLLM sets for its rank when it imports torch."""
+    import multiprocessing
+
+    import vllm.v1.engine.utils as engine_utils
+
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
 def _serve() -> None:

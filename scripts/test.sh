@@ -11,8 +11,7 @@
 #                             2. the e2e tier and the helm smoke test, whose files each declare
 #                                (tests/conftest.py) whether their assertions depend on time:
 #                                2a. `timed` files serially, alone on the machine;
-#                                2b. `side_by_side` files on two workers, a file at a time each,
-#                                    each worker's engines computing on a core of their own
+#                                2b. `side_by_side` files on two workers, a file at a time each
 #   scripts/test.sh --fast    the unit and store tiers only (no engine): the inner loop
 #   scripts/test.sh -k worker pytest options apply to every phase (a phase they leave empty is
 #                             no failure); naming tests or folders runs just those, serially
@@ -94,7 +93,7 @@ rm -f "$log_1b"
 if (( rc_1b == 5 )); then rc_1b=0; fi  # options such as -k left it empty
 if (( rc_1 || rc_1b )); then exit 1; fi
 phase "phase 2a: e2e timed (serial)" -m timed tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
-PIN_ENGINES_PER_WORKER=1 phase "phase 2b: e2e side by side (2 workers)" -n 2 --dist loadfile \
+phase "phase 2b: e2e side by side (2 workers)" -n 2 --dist loadfile \
   --no-loadscope-reorder \
   -m side_by_side tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
 if [[ -n ${SUITE_TIMES_PARTS:-} ]]; then

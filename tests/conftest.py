@@ -3,8 +3,8 @@ blocks outlive the engines that wrote them), the tiny model, the prompts' output
 scratch (`reference_outputs`: salted, tests/engines.py), and a 4-thread engine whose prefixes
 come from the store.
 
-vLLM engines take about twenty seconds to start here, so each is started once per session and
-shared where the tests need the same configuration.
+vLLM engines take seconds to start here even forked (devkit/vllm_zygote.py), so each is started
+once per session and shared where the tests need the same configuration.
 """
 
 from __future__ import annotations
@@ -29,14 +29,20 @@ from tests.engines import References, salted
 
 vllm_server.IN_PROCESS_TP1 = True  # the tests' TP=1 engines start without a worker process
 vllm_server.FORK_API_SERVERS = True  # their API servers fork from one that imported vLLM
+# One OpenMP thread per engine process. A TP=1 engine's worker runs inside its EngineCore,
+# where vLLM's CPU thread binding (VLLM_CPU_OMP_THREADS_BIND) does not apply, so torch took a
+# thread per core: two such engines side by side (or one beside its store node and test)
+# kept four spinning OpenMP threads on 2 cores, each engine then several times slower
+# (docs/development.md). TP=2 ranks get theirs from vLLM's binding, one core each. Set before
+# the zygote starts: its children inherit it.
+os.environ["OMP_NUM_THREADS"] = "1"
 # Files that start engines: each declares how it may run (TIMING_MARKS), scripts/test.sh runs it so.
 ENGINE_FILES = ("tests/e2e/", "tests/deploy/test_helm_smoke.py")
 TIMING_MARKS = {
     "timed": "its assertions depend on time (deadlines, bounds, a tuner's rate), or it starts "
              "TP=2 engines, whose ranks spin on both cores: it runs serially, alone on the "
              "machine",
-    "side_by_side": "its assertions do not depend on time: it runs beside another such file, "
-                    "each worker's engines computing on a core of their own",
+    "side_by_side": "its assertions do not depend on time: it runs beside another such file",
 }
 POOLED_SERVICE = "pooled-server"  # OTEL_SERVICE_NAME of `pooled_server`'s spans
 PREFIX_TOKENS = 320  # 10 blocks of 32
@@ -46,17 +52,6 @@ SUFFIX_TOKENS = 48
 def pytest_configure(config: pytest.Config) -> None:
     for name, what in TIMING_MARKS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
-    pin_engines_to_worker_core()
-
-
-def pin_engines_to_worker_core() -> None:
-    """Under scripts/test.sh's side-by-side phase (PIN_ENGINES_PER_WORKER=1), the engines of
-    pytest-xdist worker gwN compute on core N: vLLM binds its CPU worker's threads to the cores
-    VLLM_CPU_OMP_THREADS_BIND names (`auto` would put both workers' engines on the same core).
-    A TP=2 engine names both cores itself (tests/engines.py)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if os.environ.get("PIN_ENGINES_PER_WORKER") == "1" and worker.startswith("gw"):
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(worker[2:]) % (os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -52,19 +52,6 @@ def test_an_engine_file_without_exactly_one_timing_mark_is_refused(marks):
     assert "test_ok.py" not in str(e.value) and "\n" not in str(e.value)
 
 
-def test_side_by_side_workers_bind_their_engines_to_a_core_each(monkeypatch):
-    monkeypatch.setenv("PIN_ENGINES_PER_WORKER", "1")
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    monkeypatch.setattr(conftest.os, "cpu_count", lambda: 2)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    conftest.pin_engines_to_worker_core()
-    assert conftest.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    monkeypatch.setenv("PIN_ENGINES_PER_WORKER", "0")  # any other phase: vLLM's choice
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    conftest.pin_engines_to_worker_core()
-    assert conftest.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
-
-
 def test_xdist_workers_order_their_collection_longest_first(monkeypatch):
     """The controller hands out files in its workers' collection order, and a worker's own
     `--dist` option reads "no": the order is the workers' to set, whatever that option says."""

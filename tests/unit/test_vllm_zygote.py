@@ -65,3 +65,25 @@ def test_a_thread_in_another_network_namespace_is_left_alone(zygote, tmp_path):
     t.join()
     assert "proc" in box and box["proc"] is None
     assert zygote.fits([VLLM, "--version"], ENV)  # from this thread it would fork
+
+
+def test_a_forked_engine_forks_its_engine_core(tiny_model):
+    """A forked `vllm serve` forks its EngineCore too, not spawning a new interpreter that
+    imports vLLM again: neither process was exec'ed, so the environment block the kernel shows
+    for each (/proc/<pid>/environ, written at exec) is still the zygote's, without the
+    variable given to this engine alone."""
+    import psutil
+
+    from devkit.vllm_server import VllmServer
+
+    server = VllmServer(tiny_model, None, env={"ZYGOTE_TEST_ENGINE": "1"}).start()
+    try:
+        api = psutil.Process(server.proc.pid)
+        children = api.children()  # the EngineCore (a TP=1 engine runs its worker inside)
+        assert children, "the API server has no EngineCore process"
+        for p in (api, *children):
+            assert b"ZYGOTE_TEST_ENGINE=" not in Path(f"/proc/{p.pid}/environ").read_bytes(), (
+                f"pid {p.pid} was exec'ed: {p.cmdline()}")
+        assert server.complete([5] * 40, max_tokens=2)  # and the engine serves
+    finally:
+        server.stop()
