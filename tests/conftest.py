@@ -14,6 +14,7 @@ import math
 import os
 import random
 import re
+import tempfile
 import time
 
 import numpy as np
@@ -72,8 +73,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """A session that will start engines starts its vLLM zygote now, in the background: its
-    imports overlap the first test's set-up (devkit/vllm_zygote.py)."""
+    """What the session's processes write to the temporary directory goes under the session's
+    pytest base directory, which pytest prunes (it keeps the last three sessions'): engine and
+    master logs, vLLM's IPC sockets and rendezvous files (a killed engine removes none), tool
+    work directories. Then a session that will start engines starts its vLLM zygote, in the
+    background, so its imports overlap the first test's set-up (devkit/vllm_zygote.py); it
+    and the engines it forks inherit the directory."""
+    scratch = session.config._tmp_path_factory.getbasetemp() / "tmp"  # the fixtures' base
+    scratch.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(scratch)
     if any(item.nodeid.startswith(ENGINE_FILES) for item in session.items):
         vllm_server.prestart_zygote()
 
