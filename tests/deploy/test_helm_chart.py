@@ -259,6 +259,7 @@ def test_master_rendered_with_the_contract_flags(helm):
         "--rpc_port=50051", "--rpc_address=0.0.0.0", "--enable_http_metadata_server=true",
         "--http_metadata_server_host=0.0.0.0", "--http_metadata_server_port=8080",
         "--metrics_host=0.0.0.0", "--metrics_port=9003", "--rpc_enable_tcp_no_delay=true",
+        "--client_ttl=10",
     ]
     svc = by_kind(docs, "Service")[f"{RELEASE}-mooncake-pooled-connector-master"]
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == \
@@ -322,6 +323,7 @@ SCHEMA_ERROR = "values don't meet the specifications of the schema"
      "at '/deployments/0/extraConfig/on_master_unreachable': value must be one of"),
     ("hfToken=hf_abc", "at '': additional properties 'hfToken' not allowed"),
     ("monitoring.kind=Probe", "at '/monitoring/kind': value must be one of"),
+    ("master.clientTtlSeconds=0", "at '/master/clientTtlSeconds': minimum: got 0, want 1"),
 ])
 def test_schema_rejects_bad_values_with_clear_message(helm, setting, message):
     err = helm.error("--set", setting)

@@ -44,7 +44,7 @@ def test_two_masters_with_the_ha_flags(ha):
         "--rpc_port=50051", "--rpc_address=$(POD_IP)", "--enable_ha=true",
         "--ha_backend_type=etcd", f"--etcd_endpoints={BUNDLED}", "--cluster_id=pool-a",
         "--enable_oplog=true", "--metrics_host=0.0.0.0", "--metrics_port=9003",
-        "--rpc_enable_tcp_no_delay=true",
+        "--rpc_enable_tcp_no_delay=true", "--client_ttl=10",
     ]
     assert env_of(c)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert {p["name"] for p in c["ports"]} == {"rpc", "metrics"}
