@@ -54,15 +54,18 @@ def deep_model(tmp_path_factory) -> str:
     return str(make_tiny_llama(tmp_path_factory.mktemp("deep-llama"), layers=LAYERS))
 
 
-def wait_until_on_disk(master: MooncakeMaster, server: VllmServer, timeout: float = 300.0
+def wait_until_on_disk(master: MooncakeMaster, server: VllmServer, stalled_s: float = 30.0
                        ) -> dict[str, float]:
-    """Until the disk tier holds every key the engine wrote (`save_keys_total`), or raise with
-    what the master and the engine count. The master pins a memory replica while its offload
-    task is queued (Mooncake's `offloading_tasks` hold a refcount), so each accepted put reaches
-    disk, however slowly the store node offloads; a put the store refused (memory full of
-    pinned replicas) is counted in `save_error_keys_total` and is not waited for: the hit
-    counts judge those. `timeout` bounds a stalled offload, never a slow one that progresses."""
-    deadline, seen, last = time.monotonic() + timeout, {}, -1.0
+    """Until the disk tier holds every key the engine wrote (`save_keys_total`), or no key
+    reached it for `stalled_s`: what the master and the engine count. The master pins a memory
+    replica while its offload task is queued (Mooncake's `offloading_tasks` hold a refcount),
+    so nearly every accepted put reaches disk, however slowly the store node offloads; but not
+    all (seen once: 7 of 311 keys written stayed in memory only, in a run whose puts the master
+    had partly refused for space) and a put the store refused (memory full of pinned
+    replicas) is counted in `save_error_keys_total`. Either kind misses later if it is
+    evicted, and the hit counts judge those, so a stalled offload ends the wait, not the
+    test."""
+    last, since = -1.0, time.monotonic()
     while True:
         m, e = master_metrics(master), server.metrics()
         seen = {name: metric_sum(m, name) for name in
@@ -72,17 +75,19 @@ def wait_until_on_disk(master: MooncakeMaster, server: VllmServer, timeout: floa
                  for f in ("save_keys", "save_skipped_keys", "save_error_keys")}
         if seen["file_cache_nums_"] >= seen["save_keys"]:
             return seen
-        if seen["file_cache_nums_"] > last:  # progress: the bound restarts
-            last, deadline = seen["file_cache_nums_"], time.monotonic() + timeout
-        assert time.monotonic() < deadline, (
-            f"the disk tier stopped short of the keys written for {timeout} s: {seen}")
+        if seen["file_cache_nums_"] > last:  # progress: the stall clock restarts
+            last, since = seen["file_cache_nums_"], time.monotonic()
+        elif time.monotonic() - since > stalled_s:
+            print(f"offload stalled for {stalled_s:g} s short of the keys written: {seen}")
+            return seen
         time.sleep(0.5)
 
 
 def fill(server: VllmServer, master: MooncakeMaster, offload: bool) -> list[list[int]]:
     """Serve every prompt once, so the store holds their blocks. With the disk tier, in rounds
-    of half the memory, each one on disk before the next: a round's puts then find the earlier
-    rounds' replicas unpinned (offloaded) and evictable, so they rarely meet a full memory."""
+    of half the memory, each one on disk (or its offload stalled) before the next: a round's
+    puts then find the earlier rounds' replicas unpinned (offloaded) and evictable, so they
+    rarely meet a full memory."""
     rounds = range(0, len(PROMPTS), FILL_ROUND if offload else len(PROMPTS))
     first: list[list[int]] = []
     for i in rounds:
