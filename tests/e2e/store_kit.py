@@ -107,6 +107,9 @@ def watching(engines: list[VllmServer], master, workdir: str):
     }, workdir=workdir)
 
 
+RATE_WINDOW_S = 15  # the panels' $__rate_interval here, as Grafana's floor for 1-s scrapes
+
+
 def row_panels(prometheus: str, dash_file: str, row_title: str, start: float, end: float
                ) -> list[Any]:
     """The panels of one dashboard row, each target queried over [start, end] as Grafana would
@@ -119,7 +122,7 @@ def row_panels(prometheus: str, dash_file: str, row_title: str, start: float, en
         if p.get("type") == "row":
             in_row = p["title"] == row_title
         elif in_row:
-            out.append(render.query_panel(prometheus, p, start, end, 1.0, "15s"))
+            out.append(render.query_panel(prometheus, p, start, end, 1.0, f"{RATE_WINDOW_S}s"))
     assert out, f"{dash_file} has no row {row_title!r}"
     return out
 
