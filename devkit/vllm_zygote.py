@@ -118,7 +118,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str | None, log: str,
 def _fork_engine_cores() -> None:
     """The EngineCore of this API server forked from it, as vLLM starts it by default where no
     platform asks for spawn (its GPU hosts), instead of spawned as its CPU platform asks: it
-    inherits the imports instead of making them again (about 8 s of a 12-s start here). Only
+    inherits the imports instead of making them again (most of a TP=1 start here). Only
     the EngineCore: a TP>1 engine's workers are still spawned, since each reads the OpenMP
     binding vLLM sets for its rank when it imports torch."""
     import multiprocessing
