@@ -25,11 +25,10 @@ if str(ROOT) not in sys.path:
 from dashboards import render  # noqa: E402
 from dashboards.local_prometheus import LocalPrometheus  # noqa: E402
 from dashboards.promql import substitute  # noqa: E402
-from tests.e2e.store_kit import wait_for_scrapes  # noqa: E402
+from tests.e2e.store_kit import RATE_WINDOW_S, wait_for_scrapes  # noqa: E402
 
 pytestmark = [pytest.mark.side_by_side, pytest.mark.timeout(1500)]
 
-RATE_INTERVAL = "15s"
 POD = "vllm-pooled"
 
 # (dashboard file, panel title, target legend) -> why it is empty on a healthy run. The failure
@@ -113,7 +112,7 @@ def live(pooled_server, master, prompts, tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(live) -> dict[str, list[render.PanelResult]]:
     prom, start, end = live
-    return {name: render.query_dashboard(prom.url, dash, start, end, 1.0, RATE_INTERVAL)
+    return {name: render.query_dashboard(prom.url, dash, start, end, 1.0, f"{RATE_WINDOW_S}s")
             for name, dash in render.load_dashboards().items()}
 
 

@@ -60,8 +60,8 @@ def wait_until_on_disk(master: MooncakeMaster, server: VllmServer, stalled_s: fl
     reached it for `stalled_s`: what the master and the engine count. The master pins a memory
     replica while its offload task is queued (Mooncake's `offloading_tasks` hold a refcount),
     so nearly every accepted put reaches disk, however slowly the store node offloads; but not
-    all (seen once: 7 of 311 keys written stayed in memory only, in a run whose puts the master
-    had partly refused for space) and a put the store refused (memory full of pinned
+    all (seen once: a few written keys stayed in memory only, in a run whose puts the master
+    had partly refused for space), and a put the store refused (memory full of pinned
     replicas) is counted in `save_error_keys_total`. Either kind misses later if it is
     evicted, and the hit counts judge those, so a stalled offload ends the wait, not the
     test."""
