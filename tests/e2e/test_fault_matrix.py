@@ -116,14 +116,21 @@ class Row:
     groups: int = 1  # KV cache groups: a lookup makes one existence check per group
     load_timeout_s: float = LOAD_TIMEOUT_S
     block_size: int = BLOCK_SIZE  # the engine's (devkit.vllm_server.engine_block_size)
-    # Seconds the master waits for a client's heartbeat before it drops the client and the
-    # objects on its segment (Mooncake's default 10). A frozen node must stay a frozen node
-    # for the whole burst, so this is well past the row's load_timeout_s.
-    client_ttl_s: int = 10
     # A request read back from the store against its reference, in log-probability: exact on
     # every layout but MLA, whose CPU kernel sums depend on the chunking (honest read-backs
     # measured up to 1.7e-3 there); a block computed on an unfilled one: 2e-2.
     logprob_tol: float = 1e-3
+
+    @property
+    def client_ttl_s(self) -> int:
+        """Seconds the master waits for a client's heartbeat before it drops the client and
+        the objects on its segment. A frozen node must stay a frozen node for the whole
+        burst, which waits out one load deadline (one per request where they run one after
+        another): three times that, and Mooncake's default 10 s at least. (Seen at 10 s: an
+        MLA burst of four sequential deadlines outlived it; processes here go unscheduled
+        for seconds, and a TP=2 burst lasts its 10 s deadline and more.)"""
+        burst = self.load_timeout_s * (N if self.sequential else 1)
+        return max(10, round(3 * burst))
 
     def blocks(self, prompts: int) -> int:
         """Full blocks of `prompts` cell prompts, in this engine's block size."""
@@ -151,12 +158,9 @@ ROWS: dict[str, Row] = {
     # reference (which serves one request after another).
     "mla": Row("mla", ASYNC, slots=1, sequential=True, block_size=CPU_MLA_BLOCK_SIZE,
                logprob_tol=5e-3),
-    # TP=2 on 2 cores: each rank's thread spins on vLLM's step queue, so loads are slow. A
-    # frozen-node burst lasts the 10 s deadline and more, past Mooncake's default client TTL
-    # (seen: the master dropped the frozen node mid-burst, its loads then failed -704), and
-    # processes here go unscheduled for seconds (seen: a fresh store node dropped for a 10 s
-    # heartbeat gap); so this row's master waits 30 s for a heartbeat.
-    "tp2": Row("gqa-wide", ASYNC, tp=2, load_timeout_s=10.0, client_ttl_s=30),
+    # TP=2 on 2 cores: each rank's thread spins on vLLM's step queue, so loads are slow; a
+    # 10 s deadline (and with it a client TTL of 30 s: Row.client_ttl_s).
+    "tp2": Row("gqa-wide", ASYNC, tp=2, load_timeout_s=10.0),
 }
 FAULTS = ("frozen_node", "killed_node", "removed", "master_killed", "frozen_master",
           "full_store")
