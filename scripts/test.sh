@@ -92,10 +92,17 @@ cat "$log_1b"
 rm -f "$log_1b"
 if (( rc_1b == 5 )); then rc_1b=0; fi  # options such as -k left it empty
 if (( rc_1 || rc_1b )); then exit 1; fi
-phase "phase 2a: e2e timed (serial)" -m timed tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
+# Phase 2b runs whether or not 2a passed, so that one failed run names every e2e failure.
+rc_2a=0 rc_2b=0
+phase "phase 2a: e2e timed (serial)" -m timed tests/e2e "$SMOKE" ${args[@]+"${args[@]}"} \
+  || rc_2a=$?
 phase "phase 2b: e2e side by side (2 workers)" -n 2 --dist loadfile \
   --no-loadscope-reorder \
-  -m side_by_side tests/e2e "$SMOKE" ${args[@]+"${args[@]}"}
+  -m side_by_side tests/e2e "$SMOKE" ${args[@]+"${args[@]}"} || rc_2b=$?
+if (( rc_2a || rc_2b )); then
+  echo "phase 2a exit $rc_2a, phase 2b exit $rc_2b"
+  exit 1
+fi
 if [[ -n ${SUITE_TIMES_PARTS:-} ]]; then
   record_command "scripts/test.sh" "$SUITE_TIMES_PARTS"
   mv "$SUITE_TIMES_PARTS" docs/suite-times.json
