@@ -34,7 +34,7 @@ vllm_server.FORK_API_SERVERS = True  # their API servers fork from one that impo
 # where vLLM's CPU thread binding (VLLM_CPU_OMP_THREADS_BIND) does not apply, so torch took a
 # thread per core: two such engines side by side (or one beside its store node and test)
 # kept four spinning OpenMP threads on 2 cores, each engine then several times slower
-# (docs/development.md). TP=2 ranks get theirs from vLLM's binding, one core each. Set before
+# (docs/development.md). TP=2 ranks too (unbound: tests/engines.py). Set before
 # the zygote starts: its children inherit it.
 os.environ["OMP_NUM_THREADS"] = "1"
 # Files that start engines: each declares how it may run (TIMING_MARKS), scripts/test.sh runs it so.

@@ -16,15 +16,22 @@ All engines here run float32, so their `Completion`s compare exactly.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psutil
+
 from devkit.vllm_server import Completion, VllmServer, metric_sum, start_together
 
-# TP=2 on a 2-core host: one core per rank (see tests/e2e/test_cross_tp.py).
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# TP=2 on a 2-core host: no thread binding. vLLM's binding ("0|1": one core per rank) pins
+# every thread of a rank to its core, the receive threads and Mooncake's transfer threads
+# beside the rank's main thread, which busy-waits on vLLM's step queue; unbound, the kernel
+# runs them on whichever core is free. Each rank computes on one OpenMP thread either way
+# (tests/conftest.py). See tests/e2e/test_cross_tp.py.
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 TP_START_TIMEOUT_S = 600  # two ranks' processes start slowly on a shared 2-core host
 HIT_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
@@ -35,6 +42,23 @@ def tp_args(tp: int) -> tuple[str, ...]:
 
 def tp_env(tp: int) -> dict[str, str]:
     return dict(TP2_ENV) if tp > 1 else {}
+
+
+def bound_threads(server: VllmServer) -> dict[str, list[int]]:
+    """Threads of the engine's processes that may not run on every CPU this process may
+    (name: CPUs), none where its ranks are unbound (TP2_ENV)."""
+    host = sorted(os.sched_getaffinity(0))
+    out = {}
+    for proc in [psutil.Process(server.proc.pid)] + psutil.Process(
+            server.proc.pid).children(recursive=True):
+        for t in proc.threads():
+            try:
+                cpus = sorted(os.sched_getaffinity(t.id))
+            except OSError:  # the thread ended meanwhile
+                continue
+            if cpus != host:
+                out[f"{proc.pid}/{t.id} {proc.name()}"] = cpus
+    return out
 
 
 def salt() -> str:

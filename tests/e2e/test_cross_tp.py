@@ -20,10 +20,12 @@ subscriber decoding with vLLM's `KVEventBatch`: each block it fills is announced
 every rank wrote its own part of it (docs/kv-events.md), in every layout, and announced again
 after vLLM's AllBlocksCleared (a prefix cache reset).
 
-TP=2 on this 2-core host: `VLLM_CPU_OMP_THREADS_BIND=0|1` (one core per rank). Each rank's
-main thread busy-waits on vLLM's shared-memory step queue (it spins for a second after each
-step, and the engine steps continuously while a request waits for its KV), pinned to the core
-its receive thread shares. With anything else busy on the host, a load was seen taking seconds
+TP=2 on this 2-core host. Each rank's main thread busy-waits on vLLM's shared-memory step
+queue (it spins for a second after each step, and the engine steps continuously while a
+request waits for its KV). Bound one core per rank (`VLLM_CPU_OMP_THREADS_BIND=0|1`, as
+these engines ran until the binding was measured to confine every thread of a rank, its
+receive threads and Mooncake's, to the core of that spinning thread; they now run unbound,
+tests/engines.py), with anything else busy on the host, a load was seen taking seconds
 there (milliseconds on the TP=1 engine beside it), past the default `load_timeout_s` and
 Mooncake's default lease (`LEASE_EXPIRED`), and in a serial run the whole host was seen to
 stall for about a minute (every process's periodic log lines missing; a master RPC of the

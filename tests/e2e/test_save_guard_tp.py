@@ -26,7 +26,14 @@ from devkit.tiny_model import make_tiny_llama
 from devkit.vllm_server import BLOCK_SIZE, VllmServer, connector_kv_config, metric_sum
 from tests.conftest import corrupt_stored_block, engine_extra, plain_client
 from tests.e2e.fault_matrix_kit import series
-from tests.engines import TP_START_TIMEOUT_S, from_scratch, salt, tp_args, tp_env
+from tests.engines import (
+    TP_START_TIMEOUT_S,
+    bound_threads,
+    from_scratch,
+    salt,
+    tp_args,
+    tp_env,
+)
 
 pytestmark = pytest.mark.timed  # TP=2 engines: both cores (tests/conftest.py TIMING_MARKS)
 
@@ -77,6 +84,8 @@ def test_a_load_failed_on_one_rank_stores_no_shard_of_its_step(tmp_path_factory)
         server = VllmServer(model, connector_kv_config(engine_extra(master, **EXTRA)),
                             env=tp_env(2), extra_args=tp_args(2)).start(timeout=TP_START_TIMEOUT_S)
         try:
+            # No rank's receive threads share one core with its spinning main thread.
+            assert not bound_threads(server), f"threads bound to CPUs: {bound_threads(server)}"
             served(server, p)  # computed and stored
             warmed(server, p)  # loaded until in-step: Q's load of P runs in the step
             client = plain_client(master)
