@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -118,6 +118,12 @@ def _runs(r: _Region, heads: tuple[int, int], shard: tuple[int, int], local0: in
     return runs, acc * r.es
 
 
+# Bytes of address lists an ObjectPlan keeps (see ObjectPlan.addresses): a Python int and its
+# list slot per run and unit, and a list's own header.
+ADDRESS_CACHE_BYTES = 64 * 2**20
+_INT_BYTES, _LIST_BYTES = 40, 64
+
+
 @dataclass(frozen=True)
 class ObjectPlan:
     """How this rank moves one group's objects: for each block, one unit per piece (store
@@ -134,6 +140,7 @@ class ObjectPlan:
     storages: tuple[tuple[int, int], ...]  # unique (ptr, nbytes) to register with the store
     on_cuda: bool
     region_storages: tuple[torch.UntypedStorage, ...] = ()  # [R]: the memory each run is in
+    _rows: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def pieces(self) -> int:
@@ -151,12 +158,26 @@ class ObjectPlan:
 
     def addresses(self, units: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
         """Per-unit buffer address lists and size lists, as the store's multi-buffer calls
-        take them."""
+        take them (callers never modify them). Making the Python ints of those lists is most
+        of what a long prompt's load or save costs before its store call (one per run and
+        block: docs/performance.md), and a unit's addresses never change while its KV cache
+        is registered: so each unit's list is made once and kept, up to about
+        ADDRESS_CACHE_BYTES per plan (the units first used; past that, made per call)."""
+        rows = self._rows
+        todo = [u for u in units if u not in rows]
+        sizes = list(self.sizes)
+        if not todo:
+            return [rows[u] for u in units], [sizes] * len(units)
+        made = dict(zip(todo, self._make(todo), strict=True))
+        room = ADDRESS_CACHE_BYTES // (len(sizes) * _INT_BYTES + _LIST_BYTES) - len(rows)
+        if room > 0:  # threads may add at once: the bound holds to within one call each
+            rows.update(itertools.islice(made.items(), room))
+        return [rows.get(u) or made[u] for u in units], [sizes] * len(units)
+
+    def _make(self, units: list[int]) -> list[list[int]]:
         u = np.asarray(units, dtype=np.int64)
         blocks, piece = np.divmod(u, self.pieces)
-        addrs = (blocks[:, None] * self.strides[None, :] + self.bases[piece]).tolist()
-        sizes = list(self.sizes)
-        return addrs, [sizes] * len(addrs)
+        return (blocks[:, None] * self.strides[None, :] + self.bases[piece]).tolist()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from connector.worker import kv_regions
 from connector.worker.kv_regions import LayoutError, compute_regions, interior_order, plan_group
 from tests.unit.test_staging import NB, layouts
 from tests.worker_kit import vllm_caches
@@ -29,6 +30,28 @@ def test_each_region_is_the_tensor_slice_of_its_block_in_order(name):
             expected += [(p.data_ptr(), p.numel() * p.element_size()) for p in parts]
         assert list(zip(addrs[row], sizes[row], strict=True)) == expected
     assert regions.block_bytes == sum(sizes[0]) and not regions.on_cuda
+
+
+def test_address_lists_are_made_once_per_unit_and_kept_within_their_bound(monkeypatch):
+    """A unit's address list is made on its first use and the same list is handed out after
+    (a long prompt's lists are most of its preparation); past the bound, lists are made per
+    call, and every answer is the unit's addresses whatever was kept."""
+    caches = layouts()["kv_split_dim1"]
+    fresh = compute_regions(caches, NB)
+    runs = len(fresh.sizes)
+    monkeypatch.setattr(kv_regions, "ADDRESS_CACHE_BYTES",
+                        3 * (runs * kv_regions._INT_BYTES + kv_regions._LIST_BYTES))
+    plan = compute_regions(caches, NB)
+    units = [5, 2, 5, NB - 1, 0, 7]
+    first, sizes = plan.addresses(units)
+    expected = [fresh._make([u])[0] for u in units]
+    assert first == expected and sizes == [list(plan.sizes)] * len(units)
+    again, _ = plan.addresses(units)
+    assert again == expected
+    assert sorted(plan._rows) == [2, 5, NB - 1], "the first 3 units used are kept, no more"
+    assert all(again[i] is first[i] for i in range(4)), "a kept list is handed out again"
+    assert again[4] is not first[4] and again[5] is not first[5], \
+        "a unit past the bound gets a list made for the call"
 
 
 def test_region_order_follows_the_registration_order_not_the_addresses():
