@@ -119,9 +119,9 @@ def _runs(r: _Region, heads: tuple[int, int], shard: tuple[int, int], local0: in
 
 
 # Bytes of address lists an ObjectPlan keeps (see ObjectPlan.addresses): a Python int and its
-# list slot per run and unit, and a list's own header.
+# slot per run and unit, and a row's own header.
 ADDRESS_CACHE_BYTES = 64 * 2**20
-_INT_BYTES, _LIST_BYTES = 40, 64
+_INT_BYTES, _ROW_BYTES = 40, 64
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class ObjectPlan:
     storages: tuple[tuple[int, int], ...]  # unique (ptr, nbytes) to register with the store
     on_cuda: bool
     region_storages: tuple[torch.UntypedStorage, ...] = ()  # [R]: the memory each run is in
-    _rows: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    _rows: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def pieces(self) -> int:
@@ -156,28 +156,32 @@ class ObjectPlan:
         p = self.pieces
         return [b * p + i for b in block_ids for i in range(p)]
 
-    def addresses(self, units: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Per-unit buffer address lists and size lists, as the store's multi-buffer calls
-        take them (callers never modify them). Making the Python ints of those lists is most
-        of what a long prompt's load or save costs before its store call (one per run and
-        block: docs/performance.md), and a unit's addresses never change while its KV cache
-        is registered: so each unit's list is made once and kept, up to about
-        ADDRESS_CACHE_BYTES per plan (the units first used; past that, made per call)."""
+    def addresses(self, units: Sequence[int]
+                  ) -> tuple[list[tuple[int, ...]], list[list[int]]]:
+        """Per-unit buffer addresses and sizes, as the store's multi-buffer calls take them
+        (any sequence). Making the Python ints of the addresses is most of what a long
+        prompt's load or save costs before its store call (one per run and block:
+        docs/performance.md), and a unit's addresses never change while its KV cache is
+        registered: so each unit's are made once and kept, up to about ADDRESS_CACHE_BYTES
+        per plan (the units first used; past that, made per call). Kept as tuples of ints,
+        which the garbage collector stops tracking: kept lists would be walked by every
+        full collection of the worker process."""
         rows = self._rows
         todo = [u for u in units if u not in rows]
         sizes = list(self.sizes)
         if not todo:
             return [rows[u] for u in units], [sizes] * len(units)
         made = dict(zip(todo, self._make(todo), strict=True))
-        room = ADDRESS_CACHE_BYTES // (len(sizes) * _INT_BYTES + _LIST_BYTES) - len(rows)
+        room = ADDRESS_CACHE_BYTES // (len(sizes) * _INT_BYTES + _ROW_BYTES) - len(rows)
         if room > 0:  # threads may add at once: the bound holds to within one call each
             rows.update(itertools.islice(made.items(), room))
         return [rows.get(u) or made[u] for u in units], [sizes] * len(units)
 
-    def _make(self, units: list[int]) -> list[list[int]]:
+    def _make(self, units: list[int]) -> list[tuple[int, ...]]:
         u = np.asarray(units, dtype=np.int64)
         blocks, piece = np.divmod(u, self.pieces)
-        return (blocks[:, None] * self.strides[None, :] + self.bases[piece]).tolist()
+        return list(map(tuple, (blocks[:, None] * self.strides[None, :]
+                                + self.bases[piece]).tolist()))
 
 
 @dataclass(frozen=True)

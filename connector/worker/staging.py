@@ -30,8 +30,8 @@ from connector.worker.kv_regions import ObjectPlan
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
-def ranged_get(client: Any, keys: list[str], addrs: list[list[int]], sizes: list[list[int]],
-               src_offsets: Sequence[int]) -> list[int]:
+def ranged_get(client: Any, keys: list[str], addrs: Sequence[Sequence[int]],
+               sizes: list[list[int]], src_offsets: Sequence[int]) -> list[int]:
     """Read byte ranges `src_offsets` (the same for every key) of objects into buffers with
     Mooncake's `get_into_ranges`; per-key results as the multi-buffer get returns them (bytes
     read, or the first error, such as -704 for a missing key).

@@ -40,7 +40,7 @@ def test_address_lists_are_made_once_per_unit_and_kept_within_their_bound(monkey
     fresh = compute_regions(caches, NB)
     runs = len(fresh.sizes)
     monkeypatch.setattr(kv_regions, "ADDRESS_CACHE_BYTES",
-                        3 * (runs * kv_regions._INT_BYTES + kv_regions._LIST_BYTES))
+                        3 * (runs * kv_regions._INT_BYTES + kv_regions._ROW_BYTES))
     plan = compute_regions(caches, NB)
     units = [5, 2, 5, NB - 1, 0, 7]
     first, sizes = plan.addresses(units)
@@ -60,7 +60,7 @@ def test_region_order_follows_the_registration_order_not_the_addresses():
     caches = layouts()["blocks_dim0"]
     descending = dict(sorted(caches.items(), key=lambda kv: -kv[1].data_ptr()))
     addrs, _ = compute_regions(descending, NB).addresses([5])
-    assert addrs[0] == [t[5].data_ptr() for t in descending.values()] != sorted(addrs[0])
+    assert list(addrs[0]) == [t[5].data_ptr() for t in descending.values()] != sorted(addrs[0])
 
 
 def test_registered_storages_cover_every_region_once():
