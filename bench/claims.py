@@ -53,11 +53,19 @@ class Runs:
     def serve(self) -> dict[str, Any]:
         return self._json("serve.json")
 
+    def _recorded(self, name: str) -> dict[str, Any] | None:
+        path = self.docs / name
+        return json.loads(path.read_text()) if path.exists() else None
+
     @cached_property
     def serve_queued(self) -> dict[str, Any] | None:
         """The queue study (bench.serve --max-num-seqs); None until recorded."""
-        path = self.docs / "serve-queued.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return self._recorded("serve-queued.json")
+
+    @cached_property
+    def serve_queued_short(self) -> dict[str, Any] | None:
+        """The queue study with one output token per request; None until recorded."""
+        return self._recorded("serve-queued-short.json")
 
     @cached_property
     def disk(self) -> dict[str, Any]:
@@ -471,9 +479,27 @@ queued after the forward pass), `ours-4t` the defaults now.
 
 
 def docs_serve_queued(r: Runs) -> str:
-    s = r.serve_queued
+    return _serve_queued(r.serve_queued, "serve-queued.json", """The running requests' decode
+steps set that wait; neither a lookup nor a load shortens it.""", """ Where load time is a
+larger part of each request's service (longer prefixes, shorter outputs, a store farther
+away), the same saving is a larger part of TTFT.""")
+
+
+def docs_serve_queued_short(r: Runs) -> str:
+    return _serve_queued(r.serve_queued_short, "serve-queued-short.json", """The running
+requests' turns set that wait: their prefills, and their loads with the steps an asynchronous
+load waits for (`load_report`, then `reschedule`), which a lookup started early does not
+shorten.""", """ With look-ahead most of these loads still ran asynchronously (the requests
+column's in-step count), and an asynchronous load's `load_report` and `reschedule` are more
+than its transfer: a load copied from a preload is charged against the step budget as a read
+from the store (`connector.scheduler.step_loads` has no estimate of a copy), so it seldom runs
+in the step.""")
+
+
+def _serve_queued(s: dict[str, Any] | None, name: str, wait_by: str, coda: str) -> str:
+    """A queue study: the run, and where a queued request's store share goes."""
     if s is None:
-        return "\nNot recorded yet (`docs/serve-queued.json`).\n"
+        return f"\nNot recorded yet (`docs/{name}`).\n"
     pt = s["meta"]["load_points"][0]["name"]
     on, off = (s["summary"][c][pt] for c in ("ours-4t", "ours-4t-noahead"))
     ph_on, ph_off = on["breakdown"]["phases_ms"], off["breakdown"]["phases_ms"]
@@ -485,13 +511,10 @@ Why, at `{pt}`: a queued request's store share is {on['breakdown']['store_ms']:.
 look-ahead and {off['breakdown']['store_ms']:.0f} ms without, of which
 {ph_on['lookup'] + ph_on['admit']:.0f} and {ph_off['lookup'] + ph_off['admit']:.0f} ms wait for
 a sequence slot (`lookup` + `admit`; without look-ahead the lookup starts only once vLLM reaches
-the request). The running requests' decode steps set that wait; neither a lookup nor a load
-shortens it. Preloads shorten the load itself: {used:.0%} of the blocks loaded with look-ahead
-were copied from a preload, and `load_transfer` is {ph_on['load_transfer']:.1f} ms against
-{ph_off['load_transfer']:.1f} ms, a difference of {saved:.1%} of the store share without
-look-ahead. Where load time is a larger part of
-each request's service (longer prefixes, shorter outputs, a store farther away), the same
-saving is a larger part of TTFT.
+the request). {wait_by} Preloads shorten the load itself: {used:.0%} of the blocks loaded
+with look-ahead were copied from a preload, and `load_transfer` is
+{ph_on['load_transfer']:.1f} ms against {ph_off['load_transfer']:.1f} ms, a difference of
+{saved:.1%} of the store share without look-ahead.{coda}
 """
 
 
@@ -956,6 +979,7 @@ RENDERERS: dict[str, Callable[[Runs], str]] = {
     "docs-serve": docs_serve,
     "docs-serve-gap": docs_serve_gap,
     "docs-serve-queued": docs_serve_queued,
+    "docs-serve-queued-short": docs_serve_queued_short,
     "readme-serve": readme_serve,
     "docs-disk-tier": docs_disk_tier,
     "layouts-table": layouts_table,
