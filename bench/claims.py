@@ -41,6 +41,11 @@ class Runs:
     def _json(self, name: str) -> dict[str, Any]:
         return json.loads((self.docs / name).read_text())
 
+    def _recorded(self, name: str) -> dict[str, Any] | None:
+        """A recorded JSON of docs/, or None until one is committed."""
+        path = self.docs / name
+        return json.loads(path.read_text()) if path.exists() else None
+
     @cached_property
     def bench(self) -> dict[str, Any]:
         return self._json("benchmark.json")
@@ -52,10 +57,6 @@ class Runs:
     @cached_property
     def serve(self) -> dict[str, Any]:
         return self._json("serve.json")
-
-    def _recorded(self, name: str) -> dict[str, Any] | None:
-        path = self.docs / name
-        return json.loads(path.read_text()) if path.exists() else None
 
     @cached_property
     def serve_queued(self) -> dict[str, Any] | None:
@@ -86,26 +87,22 @@ class Runs:
     @cached_property
     def suite_times(self) -> dict[str, Any] | None:
         """The recorded suite run (tests/suite_times.py), or None before one is committed."""
-        path = self.docs / "suite-times.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return self._recorded("suite-times.json")
 
     @cached_property
     def fault_matrix(self) -> dict[str, Any] | None:
         """tests/e2e/test_fault_matrix.py's run (RECORD_FAULT_MATRIX=1); None until recorded."""
-        path = self.docs / "fault-matrix.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return self._recorded("fault-matrix.json")
 
     @cached_property
     def router_dynamo(self) -> dict[str, Any] | None:
         """tests/e2e/test_router_dynamo.py's run (RECORD_ROUTER=1); None until recorded."""
-        path = self.docs / "router-dynamo.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return self._recorded("router-dynamo.json")
 
     @cached_property
     def control_path(self) -> dict[str, Any] | None:
         """bench/control_path.py's run; None until recorded."""
-        path = self.docs / "control-path.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return self._recorded("control-path.json")
 
     @cached_property
     def demo(self) -> str:
