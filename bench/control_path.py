@@ -58,7 +58,7 @@ from bench.testbed import OthersMeter, Testbed, open_client
 from connector.config import load_config
 from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.keys import KeyBuilder, Layout, kv_signature
-from connector.worker.kv_regions import plan_group
+from connector.worker.kv_regions import ObjectPlan, plan_group
 from devkit.local_cluster import local_pool
 from devkit.provenance import git_commit
 
@@ -99,7 +99,7 @@ class Ours:
         # Plans whose address lists were made for a first use: kept to the end of the round,
         # so that no timed step runs just after a free of their lists (the allocator handing
         # memory back and faulting it in again, which an engine's first use does not pay).
-        self._firsts: list[Any] = []
+        self._firsts: list[ObjectPlan] = []
         self._n = 0
 
     def next_round(self) -> None:
@@ -134,7 +134,8 @@ class Ours:
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
                                                   new_block_ids=[], num_computed_tokens=[])))
 
-    def _prep(self, hashes: list[bytes], ids: list[int], plan: Any = None) -> Any:
+    def _prep(self, hashes: list[bytes], ids: list[int], plan: ObjectPlan | None = None
+              ) -> Any:
         plan = plan or self.plan
         keys = self.keys.object_keys(hashes, plan.shards)
         return keys, plan.addresses(plan.units(ids))

@@ -49,8 +49,8 @@ def bound_threads(server: VllmServer) -> dict[str, list[int]]:
     (name: CPUs), none where its ranks are unbound (TP2_ENV)."""
     host = sorted(os.sched_getaffinity(0))
     out = {}
-    for proc in [psutil.Process(server.proc.pid)] + psutil.Process(
-            server.proc.pid).children(recursive=True):
+    root = psutil.Process(server.proc.pid)
+    for proc in [root, *root.children(recursive=True)]:
         for t in proc.threads():
             try:
                 cpus = sorted(os.sched_getaffinity(t.id))

@@ -85,7 +85,8 @@ def test_a_load_failed_on_one_rank_stores_no_shard_of_its_step(tmp_path_factory)
                             env=tp_env(2), extra_args=tp_args(2)).start(timeout=TP_START_TIMEOUT_S)
         try:
             # No rank's receive threads share one core with its spinning main thread.
-            assert not bound_threads(server), f"threads bound to CPUs: {bound_threads(server)}"
+            bound = bound_threads(server)
+            assert not bound, f"threads bound to CPUs: {bound}"
             served(server, p)  # computed and stored
             warmed(server, p)  # loaded until in-step: Q's load of P runs in the step
             client = plain_client(master)
