@@ -331,12 +331,14 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         """For the scheduler, after the step: the registered KV layout while it asks for it
-        (StepMetadata.need_layout), and the step's finished loads, timed (observability.ttft)."""
+        (StepMetadata.need_layout), the step's finished loads, timed (observability.ttft), and
+        the preloads read whole (worker.preload)."""
         meta, w = self._connector_metadata, self.worker
         layout = {w.tp_rank: w.kv_signature} if (isinstance(meta, StepMetadata)
                                                  and meta.need_layout and w.kv_signature) else {}
-        times = w.take_load_times()
-        return WorkerReport(layout, times) if layout or times is not None else None
+        times, ready = w.take_load_times(), w.take_preloads_ready()
+        return WorkerReport(layout, times, dict.fromkeys(ready, 1)) \
+            if layout or times is not None or ready else None
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         """This step's saved blocks, for the scheduler's store events (observability.kv_events)."""

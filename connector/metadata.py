@@ -5,7 +5,7 @@ scheduler keeps mutating its own lists while worker threads read these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -82,8 +82,9 @@ class StepMetadata(KVConnectorMetadata):
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
     """Worker -> scheduler after a step: the KV layout signature each TP rank registered (while
-    the scheduler asks for it, so its lookups use the workers' store keys), and the step's
-    finished loads, timed (`connector.observability.ttft.LoadTimes`).
+    the scheduler asks for it, so its lookups use the workers' store keys), the step's
+    finished loads, timed (`connector.observability.ttft.LoadTimes`), and the requests whose
+    preloads were read whole since the last report, with how many ranks read them.
 
     The layout travels as worker metadata rather than handshake metadata: vLLM's MultiConnector
     hands the scheduler only the first non-None handshake of its members, but forwards each
@@ -91,6 +92,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
 
     layout: dict[int, str]  # tp rank -> kv_signature; empty once the scheduler has it
     load_times: Any = None  # LoadTimes or None
+    preloaded: dict[str, int] = field(default_factory=dict)  # req_id -> ranks
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, WorkerReport):
@@ -98,4 +100,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
         times = other.load_times if self.load_times is None else \
             self.load_times if other.load_times is None else \
             self.load_times.aggregate(other.load_times)
-        return WorkerReport({**self.layout, **other.layout}, times)
+        ranks = dict(self.preloaded)
+        for rid, n in other.preloaded.items():
+            ranks[rid] = ranks.get(rid, 0) + n
+        return WorkerReport({**self.layout, **other.layout}, times, ranks)

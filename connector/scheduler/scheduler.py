@@ -121,10 +121,11 @@ class MooncakeStoreScheduler:
         self._lookups: dict[str, _Lookup] = {}
         # Lookups started before vLLM asked (lookup_ahead): their prefixes' hashes.
         self._ahead: dict[str, tuple[bytes, ...]] = {}
-        # Host-memory preloads of their hits (connector.worker.preload), each sent once.
+        # Host-memory preloads of their hits (connector.worker.preload), each sent once:
+        # req_id -> the ranks that reported it read whole (all of them: its load is a copy).
         self._preload = (config.preload_buffer_size > 0 and len(groups) == 1
                          and groups[0].kind == FULL)
-        self._preloaded: set[str] = set()
+        self._preloaded: dict[str, int] = {}
         self._arrived: OrderedDict[str, Any] = OrderedDict()  # arrivals waiting for a turn
         self._abandoned: list[cf.Future] = []  # timed out or finished while running
         self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
@@ -223,7 +224,6 @@ class MooncakeStoreScheduler:
     def _asked(self, rid: str) -> None:
         """vLLM reached `rid`, or it finished: it no longer waits for, or holds, a turn."""
         self._arrived.pop(rid, None)
-        self._preloaded.discard(rid)
         if self._ahead.pop(rid, None) is not None:
             self._look_ahead()
 
@@ -237,7 +237,7 @@ class MooncakeStoreScheduler:
             lk = self._lookups.get(rid)
             if rid in self._preloaded or lk is None or not lk.future.done():
                 continue
-            self._preloaded.add(rid)
+            self._preloaded[rid] = 0
             if lk.future.exception() is None:
                 blocks = lk.future.result()[0] // self._block_size
                 if blocks:
@@ -279,7 +279,8 @@ class MooncakeStoreScheduler:
         ext = hit - num_computed_tokens
         if ext <= 0:
             return 0, False
-        self._sync[rid] = sync = self._step_loads.take(ext // self._block_size)
+        self._sync[rid] = sync = self._step_loads.take(
+            ext // self._block_size, self._preloaded.get(rid, 0) >= self._tp_size)
         return ext, not sync
 
     def _poll_lookup(self, rid: str, hashes: Sequence[bytes]) -> int | None:
@@ -374,6 +375,7 @@ class MooncakeStoreScheduler:
         if num_external_tokens > 0 and rid not in self._loading:
             first, last = (hit - num_external_tokens) // self._block_size, hit // self._block_size
             sync = self._sync.pop(rid, False)  # done before this step's forward
+            self._preloaded.pop(rid, None)  # its load takes the rows
             for g, (spec, ids) in enumerate(zip(self._groups, blocks.get_block_ids(),
                                                 strict=True)):
                 # A sliding-window group gets blocks only for the window before the hit.
@@ -493,6 +495,9 @@ class MooncakeStoreScheduler:
         if isinstance(times, WorkerReport):
             if times.layout:
                 self.add_layout(times.layout)
+            for rid, ranks in times.preloaded.items():
+                if rid in self._preloaded:  # else finished, or its load was planned
+                    self._preloaded[rid] += ranks
             times = times.load_times
         if isinstance(times, LoadTimes):
             self._step_loads.observe(times)
@@ -512,6 +517,7 @@ class MooncakeStoreScheduler:
         """
         rid = request.request_id
         self._asked(rid)
+        self._preloaded.pop(rid, None)
         self._hits.pop(rid, None)
         self._seen.pop(rid, None)
         self._tracked.pop(rid, None)

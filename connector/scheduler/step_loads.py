@@ -17,6 +17,10 @@ slower, so their fit is the pessimistic one: it never keeps a stale in-step fit 
 load would otherwise switch in-step loads off for the life of the process, since no in-step load
 would ever refresh it). A token block is one block of prompt tokens, whatever the number of
 KV cache groups (`RankLoad.blocks`), the unit `take` is charged in.
+A load its request's preload holds on every rank (connector.worker.preload) is a memory copy,
+not a store read: it is charged a fit of its own, from earlier such loads (`take(copied=True)`),
+so queued requests whose prefixes were read while they waited run in the step they are
+scheduled in.
 With no estimate yet, or for `BACKOFF_S` after a load failed, every load is asynchronous.
 Only workers that report `in_step` (staged transfers: a load past its deadline can be stopped
 before it writes into the cache) get in-step loads; a failed one is recomputed by vLLM like any
@@ -76,7 +80,8 @@ class StepLoadPolicy:
     def __init__(self, budget_s: float) -> None:
         self._budget = budget_s
         self._left = budget_s
-        self._fits = {True: _Fit(), False: _Fit()}  # by in-step or not
+        self._fits = {True: _Fit(), False: _Fit()}  # store reads, by in-step or not
+        self._copies = _Fit()  # loads copied from a preload
         self._in_step = False  # every worker can load inside a step
         self._until = 0.0  # no in-step loads before this (after a failure)
 
@@ -89,20 +94,24 @@ class StepLoadPolicy:
         for load in times.loads.values():
             if load.failed:
                 self._until = time.monotonic() + BACKOFF_S
-            elif load.blocks and not load.preloaded:  # a copy from host memory: no estimate
-                self._fits[load.in_step].add(load.blocks, load.transfer)
+            elif load.blocks:
+                fit = self._copies if load.preloaded else self._fits[load.in_step]
+                fit.add(load.blocks, load.transfer)
 
-    def cost(self, blocks: int) -> float | None:
-        """Expected seconds of a load of `blocks` token blocks (None: no estimate yet)."""
+    def cost(self, blocks: int, copied: bool = False) -> float | None:
+        """Expected seconds of a load of `blocks` token blocks (None: no estimate yet); a
+        `copied` one (from a preload) at the copies' estimate where there is one."""
+        if copied and (c := self._copies.cost(blocks)) is not None:
+            return c
         costs = [c for f in self._fits.values() if (c := f.cost(blocks)) is not None]
         return min(costs) if costs else None
 
-    def take(self, blocks: int) -> bool:
+    def take(self, blocks: int, copied: bool = False) -> bool:
         """True if a load of `blocks` fits in what is left of this step's budget (it is then
-        counted against it)."""
+        counted against it). `copied`: every rank holds its blocks in a preload."""
         if not (self._budget and self._in_step) or time.monotonic() < self._until:
             return False
-        cost = self.cost(blocks)
+        cost = self.cost(blocks, copied)
         if cost is None or cost > self._left:
             return False
         self._left -= cost

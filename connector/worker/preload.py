@@ -9,7 +9,9 @@ its own objects of it into this arena on a thread of its own (`mcpool-preload`).
 request is scheduled, its load job claims the rows of the keys it needs and scatters them into
 its blocks (`BlockStager.scatter`, under the job's touching guard, as a staged get's rows); a
 job whose keys are not all in the arena, or whose preload is still running, reads the store as
-it would without one.
+it would without one. Each rank tells the scheduler which preloads it holds whole (`take_ready`,
+in its `WorkerReport`): a load every rank can copy is cheap enough to run inside the step
+(connector.scheduler.step_loads).
 
 Bounds: the arena is `preload_buffer_size` bytes registered with the store, one object per row
 (the staged layout, so only where staging is used). A preload that does not fit whole is
@@ -50,6 +52,7 @@ class PreloadArena:
         self._free = list(range(stager.capacity - 1, -1, -1))
         self._entries: dict[str, _Entry] = {}
         self._loading: set[str] = set()  # loads came before their preloads: none starts now
+        self._ready: list[str] = []  # read whole since the last take_ready
         self._lock = threading.Lock()
         self._count = count
 
@@ -88,9 +91,17 @@ class PreloadArena:
                 self._free += ok.values()
             else:
                 e.rows, e.pending, e.t_ready = ok, False, time.monotonic()
+                if len(ok) == len(keys):
+                    self._ready.append(req_id)
         self._count("failed", len(keys) - len(ok))
         if e.abandoned:
             self._count("unused", len(ok))
+
+    def take_ready(self) -> list[str]:
+        """Requests whose preloads were read whole since the last call."""
+        with self._lock:
+            ready, self._ready = self._ready, []
+        return ready
 
     def claim(self, req_id: str, keys: Sequence[str]) -> list[int] | None:
         """The rows of every one of `keys`, taken out of the request's preload for the caller

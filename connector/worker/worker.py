@@ -512,6 +512,11 @@ class MooncakeStoreWorker:
         """This step's finished loads, timed, for the scheduler (build_connector_worker_meta)."""
         return self.load_clock.take()
 
+    def take_preloads_ready(self) -> list[str]:
+        """Requests whose preloads this rank read whole since the last call (for the
+        scheduler's in-step loads: connector.scheduler.step_loads)."""
+        return self._arena.take_ready() if self._arena is not None else []
+
     def get_load_errors(self) -> set[int]:
         return self.ledger.take_load_errors()
 

@@ -86,6 +86,32 @@ def test_a_preloaded_prefix_loads_byte_exact_with_the_store_node_frozen(make_wor
     assert seen.held() == 0
 
 
+def test_a_whole_preload_is_reported_once_and_its_in_step_load_copies_it(make_worker_on,
+                                                                         own_cluster):
+    """A preload read whole is reported to the scheduler once (take_preloads_ready), which may
+    then put its load in the step: the in-step load copies it, byte-exact, with the store node
+    frozen. A preload with a key the store lacks is not reported (its load reads the store)."""
+    master, node = own_cluster
+    hs, src = saved(make_worker_on, master, "preload-ready", 6)
+    w, dst, _ = reader_of(make_worker_on, master, "preload-ready", sync_load_ms=20,
+                          load_timeout_s=3)
+    preload(w, "whole", hs)
+    preload(w, "part", hs[:3] + hashes("preload-absent", 1))
+    assert w.take_preloads_ready() == ["whole"]
+    assert w.take_preloads_ready() == []
+    freeze(node.proc)
+    try:
+        w.start_load(StepMetadata(sync_loads=(BlockTransfer("whole", tuple(range(40, 46)),
+                                                            hs),)))
+    finally:
+        thaw(node.proc)
+    assert w.get_load_errors() == set()
+    for name in src:
+        assert torch.equal(dst[name][:, 40:46], src[name][:, 0:6])
+    load = w.take_load_times().loads["whole"]
+    assert load.in_step and load.preloaded and not load.failed
+
+
 def test_a_load_before_its_preload_reads_the_store_and_the_preload_never_starts(
         make_worker_on, master, store_node):
     hs, src = saved(make_worker_on, master, "preload-late", 4)

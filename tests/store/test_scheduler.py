@@ -353,3 +353,31 @@ def test_a_look_ahead_hit_is_sent_as_a_preload_once(sched, store_client):
     assert ask(sched, asked) == (4 * BS, True)
     assert sched.build_connector_meta(step_output()).preloads == ()
     assert ask(sched, queued) == (4 * BS, True)  # vLLM reaches it: its hit stands
+
+
+def test_a_load_every_rank_holds_in_a_preload_runs_in_the_step(sched, store_client):
+    """Store reads took 100 ms per load here, over the 50-ms step budget: loads read from the
+    store stay asynchronous. A queued request whose preload both TP ranks report read whole is
+    charged the copies' estimate (1 ms) and loads inside the step; one rank's report is not
+    enough (the other rank would read the store in the step)."""
+    from connector.metadata import WorkerReport
+    from connector.observability.ttft import LoadTimes, RankLoad
+
+    hs = hashes("inpreload", 6)
+    store_blocks(store_client, sched, hs[:4])
+    both, one = request("both", hs, 6 * BS + 1), request("one", hs, 6 * BS + 1)
+    for r in (both, one):
+        sched.prefetch(r)
+    wait_until(lambda: all(lk.future.done() for lk in sched._lookups.values()), 10,
+               "the look-ahead lookups never answered")
+    assert len(sched.build_connector_meta(step_output()).preloads) == 2
+    times = LoadTimes({"read": RankLoad(0.0, 0.0, 0.100, 0.0, 4, False),
+                       "copy": RankLoad(0.0, 0.0, 0.001, 0.0, 4, False, in_step=True,
+                                        preloaded=True)}, True)
+    for ranks in ({"both": 1, "one": 1}, {"both": 1}):  # rank 0's report, then rank 1's
+        sched.update_connector_output(SimpleNamespace(
+            finished_sending=(), finished_recving=(),
+            kv_connector_worker_meta=WorkerReport({}, times, ranks)))
+        times = None
+    assert ask(sched, both) == (4 * BS, False)  # in the step
+    assert ask(sched, one) == (4 * BS, True)

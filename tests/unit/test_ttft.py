@@ -230,13 +230,23 @@ def test_worker_clock_counts_token_blocks_on_hybrid_models():
     assert clock.take().loads["h"].blocks == 8
 
 
-def test_policy_takes_no_estimate_from_a_preloaded_load():
+def test_policy_charges_copies_from_preloads_apart_from_store_reads():
     """A load copied from its preload (connector.worker.preload) took a memory copy's time:
-    as an estimate it would put store reads of the same size in the step, over budget."""
+    it is the estimate of other copies, never of store reads (it would put reads of the same
+    size in the step, over budget). A copy is charged a read's estimate until one was seen."""
     p = StepLoadPolicy(0.020)
     fast = RankLoad(0.0, 0.0, 0.0001, 0.0, 10, False, in_step=True, preloaded=True)
     p.observe(LoadTimes({"x": fast}, True))
     assert p.cost(10) is None and not p.take(1)
+    assert p.cost(10, copied=True) == pytest.approx(0.0001)
+    read = RankLoad(0.0, 0.0, 0.050, 0.0, 10, False)  # an asynchronous read: 5 ms per block
+    p.observe(LoadTimes({"y": read}, True))
+    assert p.cost(5) == pytest.approx(0.025) and not p.take(5)
+    taken = sum(p.take(10, copied=True) for _ in range(300))
+    assert 199 <= taken <= 200  # 0.1 ms each: the 20 ms budget holds 200 (to rounding)
+    q = StepLoadPolicy(0.020)
+    q.observe(LoadTimes({"y": read}, True))
+    assert q.cost(10, copied=True) == q.cost(10) == pytest.approx(0.050)  # no copy seen yet
     merged = LoadTimes({"x": fast}, True).aggregate(LoadTimes({"x": RankLoad(
         0.0, 0.0, 0.5, 0.0, 10, False, in_step=True)}, True))
     assert merged.loads["x"].preloaded  # a rank that copied makes the request's load so
