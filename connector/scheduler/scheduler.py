@@ -329,9 +329,10 @@ class MooncakeStoreScheduler:
         known: list[dict[int, bool]] = [{} for _ in self._groups]
         spans = [FIRST_WINDOW] * len(self._groups)
 
-        def present(g: int, i: int) -> bool:
+        def present(g: int, i: int) -> bool:  # called per block: the known case first
             nonlocal probed
-            if i not in known[g]:
+            there = known[g].get(i)
+            if there is None:
                 if time.perf_counter() >= deadline.at:
                     raise _Late
                 lo, hi = (i, min(len(hashes), i + spans[g])) if self._groups[g].kind == FULL \
@@ -340,12 +341,16 @@ class MooncakeStoreScheduler:
                 keys = self._keys.all_shard_keys(hashes[lo:hi], g)
                 probed += len(keys)
                 res = self._store.require().batch_is_exist(keys)
-                if any(r < 0 for r in res):
+                if min(res, default=0) < 0:
                     self._store.check(res)
                     raise StoreError(error_code_label(min(res)))
+                # A block is there if every shard is (1; 0: absent). A short answer raises
+                # (zip's strict): a miss, never a hit of blocks nobody asked about.
                 n = self._shards
-                known[g].update((lo + j, 0 not in res[j * n:(j + 1) * n]) for j in range(hi - lo))
-            return known[g][i]
+                known[g].update(zip(range(lo, hi), map(bool, res) if n == 1 else
+                                    map(all, zip(*[iter(res)] * n, strict=True)), strict=True))
+                there = known[g][i]
+            return there
 
         try:
             found = window_hit(self._groups, present, len(hashes), self._block_size)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from itertools import filterfalse
 from typing import Any
 
 FULL = "full"
@@ -48,7 +50,7 @@ class GroupSpec:
         are stored. Sliding window: the longest n whose needed blocks are all present,
         searched from the right as vLLM's SlidingWindowManager does."""
         if self.kind == FULL:
-            return next((i for i in range(n_max) if not present(i)), n_max)
+            return next(filterfalse(present, range(n_max)), n_max)
         run = 0
         for i in range(n_max - 1, -1, -1):
             if not present(i):
@@ -129,7 +131,7 @@ def window_hit(groups: Sequence[GroupSpec], present: Callable[[int, int], bool],
     each group's hit bounds the others', until no group lowers it (vLLM's hybrid rule)."""
     n = n_max
     while True:
-        lowest = min(g.hit(lambda i, gi=gi: present(gi, i), n, block_size)
+        lowest = min(g.hit(partial(present, gi), n, block_size)
                      for gi, g in enumerate(groups))
         if lowest >= n:
             return n
