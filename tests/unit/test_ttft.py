@@ -78,6 +78,19 @@ def test_load_times_merge_over_ranks_keeps_the_slower_rank_through_pickle():
     assert agg.loads["b"].ranks == 1 and agg.in_step is False
 
 
+def test_worker_reports_count_the_ranks_holding_each_preload_through_pickle():
+    """vLLM folds the TP ranks' reports into the first (KVOutputAggregator): per request,
+    the ranks whose preload was read whole add up, the layouts and load times merge."""
+    from connector.metadata import WorkerReport
+
+    r0 = WorkerReport({0: "sig"}, None, {"a": 1, "b": 1})
+    r1 = WorkerReport({1: "sig"}, LoadTimes({"x": RankLoad(0.0, 0.0, 0.1, 0.0, 2, False)},
+                                            True), {"a": 1})
+    agg = pickle.loads(pickle.dumps(r0)).aggregate(pickle.loads(pickle.dumps(r1)))
+    assert agg.preloaded == {"a": 2, "b": 1}
+    assert agg.layout == {0: "sig", 1: "sig"} and agg.load_times.loads["x"].blocks == 2
+
+
 def test_async_timeline_has_every_phase_and_they_sum_to_the_store_time(monkeypatch):
     events = Events()
     clock = RequestClock(Publisher(events), tp_size=1)
