@@ -23,12 +23,17 @@ A thread is *stuck* only when its own call outlives `deadline_s` (queue time doe
 it is retired, its slot gets a fresh thread (and with it fresh thread-local buffers, see the
 worker), at most `max_stuck` of them at a time, and the old thread exits once its call
 returns, after `on_retire()` has released what it held.
+
+A thread starts with the CPU affinity of the thread that starts it (`inherited_cpus`): in a
+vLLM CPU worker that binds its OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`), that is the
+rank's compute cores, where the rank's main thread spins between steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -37,6 +42,21 @@ from typing import Generic, TypeVar
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 J = TypeVar("J")
+
+
+def inherited_cpus() -> str:
+    """The CPUs a thread started now by the calling thread may run on, as ranges ("0-3,8"),
+    with how many the host has: for the startup log, so an operator sees a pool bound beside
+    the compute threads."""
+    cpus = sorted(os.sched_getaffinity(0))  # 0: the calling thread
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    spans = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"CPUs {spans} of {os.cpu_count()}"
 
 QUEUED, RUNNING, TOUCHING, DONE, EXPIRED = range(5)
 WATCHDOG_TICK_S = 0.05

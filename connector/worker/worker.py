@@ -58,7 +58,7 @@ from connector.worker.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.worker.ledger import RequestLedger
 from connector.worker.preload import PreloadArena
 from connector.worker.rank_agreement import AnyRank, lone_rank
-from connector.worker.recv_pool import TIMEOUT, RecvPool, Ticket
+from connector.worker.recv_pool import TIMEOUT, RecvPool, Ticket, inherited_cpus
 from connector.worker.save_guard import UNSAFE_CODE, SaveGuard
 from connector.worker.staging import BlockStager, ranged_get
 
@@ -181,6 +181,7 @@ class MooncakeStoreWorker:
         self._lookup_probe = LookupProbe(config.master_lookup_sample_ratio, config.load_threads + 1)
         self.recorder = StatsRecorder(tp_rank, config.load_threads + 1, self._gauges,
                                       self._master_outage)
+        self._cpus = inherited_cpus()  # where the pools' threads, started now, may run
         self.pool: RecvPool[_Job] = RecvPool(
             config.load_threads, self._load, active=1 if config.load_threads_auto else None,
             deadline_s=config.load_timeout_s, on_expire=self._load_expired,
@@ -248,11 +249,11 @@ class MooncakeStoreWorker:
         self._make_arena()
         per_call = max(1, self.config.staging_buffer_size // self._regions.block_bytes)
         logger.info("mooncake pool: %d KV regions, %d bytes per object (%s of %d per block%s)"
-                    ", rank %d, %d recv threads, %s", len(self._regions.sizes),
+                    ", rank %d, %d recv threads on %s, %s", len(self._regions.sizes),
                     self._regions.block_bytes, "slice" if self._regions.src_offsets else
                     f"{self._regions.pieces} shard(s)", lay.shards,
                     "" if self._io[0].save else "; this rank saves nothing", self.tp_rank,
-                    self.pool.size, f"staged transfers ({per_call} objects per call)"
+                    self.pool.size, self._cpus, f"staged transfers ({per_call} objects per call)"
                     if self._staged else "multi-buffer transfers")
         self._store.on_connect(self._register_buffers)
 

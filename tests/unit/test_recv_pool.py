@@ -435,3 +435,32 @@ def test_close_returns_every_thread_inside_a_call_and_starts_none_while_draining
         assert [j for j, _ in rec.expired] == [0, 1]
     finally:
         release.set()
+
+
+def test_inherited_cpus_names_the_binding_a_pool_thread_would_get():
+    """A thread pinned to one CPU (as vLLM's OpenMP binding pins a rank's main thread)
+    reports that CPU, and a pool it starts runs its threads there; CPUs in a row are a range
+    (this project's hosts have 2 cores at least)."""
+    import os
+
+    from connector.worker.recv_pool import inherited_cpus
+
+    seen: dict[str, object] = {}
+
+    def pinned(cpus: set[int], name: str) -> None:
+        os.sched_setaffinity(0, cpus)
+        seen[name] = inherited_cpus()
+        if name == "one":
+            pool = RecvPool(1, lambda job, slot, ticket: seen.setdefault(
+                "pool", os.sched_getaffinity(0)))
+            pool.submit(1)
+            wait_until(lambda: "pool" in seen)
+            pool.close()
+
+    for cpus, name in (({0}, "one"), ({0, 1}, "two")):
+        t = threading.Thread(target=pinned, args=(cpus, name))
+        t.start()
+        t.join()
+    assert seen["one"] == f"CPUs 0 of {os.cpu_count()}"
+    assert seen["pool"] == {0}
+    assert seen["two"] == f"CPUs 0-1 of {os.cpu_count()}"
