@@ -24,7 +24,8 @@ shares. Cases, every engine up for the whole run:
         --json docs/serve-queued.json
 
    runs the engines with `--max-num-seqs 2`, so that requests queue at the busy load point
-   (`queued-concurrency-8`), beside one where they do not (`unqueued-concurrency-1`).
+   (`queued-concurrency-8`), beside one where they do not (`unqueued-concurrency-1`);
+   `--queued-rate R` adds an open-loop one where they queue (`queued-rate-R`, Poisson).
 
 The first connector engine of each key format serves the workload once, filling the store;
 every connector engine then serves it once more unmeasured (its loads give the in-step
@@ -152,6 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM's --max-num-seqs for every engine; the load points become "
                         "queued-concurrency-C (C > this: requests queue) and "
                         "unqueued-concurrency-1")
+    p.add_argument("--queued-rate",
+                   help="with --max-num-seqs, also a Poisson load point of this many "
+                        "requests/s (queued-rate-R): an open loop, where a shorter service "
+                        "time shortens the queue, unlike the closed loop of queued-concurrency")
     p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "mcpool-bench")
     p.add_argument("--mooncake-tcp-defaults", action="store_true",
                    help="do not raise Mooncake's per-peer TCP queue limits")
@@ -172,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--concurrency {a.concurrency}: requests queue only above --max-num-seqs "
                     f"{a.max_num_seqs}; raise --concurrency")
         a.points = [LoadPoint(f"queued-concurrency-{a.concurrency}", "inf", a.concurrency),
+                    *([LoadPoint(f"queued-rate-{a.queued_rate}", a.queued_rate, a.prompts)]
+                      if a.queued_rate else []),
                     LoadPoint("unqueued-concurrency-1", "inf", 1)]
         return a
     a.points = [LoadPoint(f"concurrency-{a.concurrency}", "inf", a.concurrency)]
