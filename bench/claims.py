@@ -490,10 +490,15 @@ load waits for (`load_report`, then `reschedule`), which a lookup started early 
 shorten.""", _saturated(s) if s else "")
 
 
+def _ahead_pair(s: dict[str, Any], pt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A queue study's summaries at `pt`: look-ahead on (ours-4t), then off."""
+    return s["summary"]["ours-4t"][pt], s["summary"]["ours-4t-noahead"][pt]
+
+
 def _saturated(s: dict[str, Any]) -> str:
     """Why a shorter load does not shorten TTFT where every sequence slot is always taken."""
     pt = s["meta"]["load_points"][0]["name"]
-    on, off = (s["summary"][c][pt] for c in ("ours-4t", "ours-4t-noahead"))
+    on, off = _ahead_pair(s, pt)
     b = on["breakdown"]
     return f""" With look-ahead, {b['requests_by_mode'].get('sync', 0)} of the
 {b['requests']} loads ran in the step: a load that every rank holds in its preload is charged
@@ -509,7 +514,7 @@ earlier with look-ahead.""" + "".join(_open_loop(s, p["name"]) for p in s["meta"
 
 def _open_loop(s: dict[str, Any], pt: str) -> str:
     """The queue study's open-loop point: store share and the TTFT comparison there."""
-    on, off = (s["summary"][c][pt] for c in ("ours-4t", "ours-4t-noahead"))
+    on, off = _ahead_pair(s, pt)
     cmp = next(t["points"][pt] for t in s["targets"]
                if t["stat"] == "ttft_p50_ms" and pt in t["points"])
     lo, hi = cmp["interval"]
@@ -527,7 +532,7 @@ def _serve_queued(s: dict[str, Any] | None, name: str, wait_by: str, coda: str) 
     if s is None:
         return f"\nNot recorded yet (`docs/{name}`).\n"
     pt = s["meta"]["load_points"][0]["name"]
-    on, off = (s["summary"][c][pt] for c in ("ours-4t", "ours-4t-noahead"))
+    on, off = _ahead_pair(s, pt)
     ph_on, ph_off = on["breakdown"]["phases_ms"], off["breakdown"]["phases_ms"]
     blocks = on["store_hit_tokens"] // s["meta"]["model"]["block_tokens"]  # a key each (TP=1)
     used = on.get("preload_used_keys", 0) / max(1, blocks)

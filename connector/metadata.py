@@ -5,6 +5,7 @@ scheduler keeps mutating its own lists while worker threads read these.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +101,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
         times = other.load_times if self.load_times is None else \
             self.load_times if other.load_times is None else \
             self.load_times.aggregate(other.load_times)
-        ranks = dict(self.preloaded)
-        for rid, n in other.preloaded.items():
-            ranks[rid] = ranks.get(rid, 0) + n
-        return WorkerReport({**self.layout, **other.layout}, times, ranks)
+        return WorkerReport({**self.layout, **other.layout}, times,
+                            dict(Counter(self.preloaded) + Counter(other.preloaded)))
