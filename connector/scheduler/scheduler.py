@@ -42,8 +42,9 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from connector.config import ConnectorConfig
@@ -94,6 +95,27 @@ class _Lookup:
 
 class _Late(Exception):
     """A lookup reached its deadline before its next store call."""
+
+
+# A lookup's knowledge of each block (`_lookup`), and batch_is_exist's answers (0: absent,
+# 1: there) as those states.
+UNKNOWN, THERE, GONE = 0, 1, 2
+_STATES = bytes([GONE, THERE] + [GONE] * 254)
+
+
+def _first_not_there(known: bytearray, lo: int, hi: int) -> int:
+    """First block of [lo, hi) not known to be stored (unknown or gone); `hi` if none."""
+    end = known.find(UNKNOWN, lo, hi)
+    end = hi if end < 0 else end
+    gone = known.find(GONE, lo, end)
+    return end if gone < 0 else gone
+
+
+def _positions(known: bytearray, state: int) -> Iterator[int]:
+    i = known.find(state)
+    while i >= 0:
+        yield i
+        i = known.find(state, i + 1)
 
 
 class MooncakeStoreScheduler:
@@ -326,45 +348,52 @@ class MooncakeStoreScheduler:
         with the prefix that what was already probed proves."""
         t0 = time.perf_counter()
         found, probed, code, late = 0, 0, "", False
-        known: list[dict[int, bool]] = [{} for _ in self._groups]
+        # Per group and block: UNKNOWN until probed, then THERE or GONE. Bytes, so that the
+        # scans over a 128K-token prompt's 8,192 blocks run in C (bytearray.find).
+        known = [bytearray(len(hashes)) for _ in self._groups]
         spans = [FIRST_WINDOW] * len(self._groups)
 
-        def present(g: int, i: int) -> bool:  # called per block: the known case first
+        def probe(g: int, i: int) -> None:
+            """One store call: the window of group `g` that holds block `i`."""
             nonlocal probed
-            there = known[g].get(i)
-            if there is None:
-                if time.perf_counter() >= deadline.at:
-                    raise _Late
-                lo, hi = (i, min(len(hashes), i + spans[g])) if self._groups[g].kind == FULL \
-                    else (max(0, i + 1 - spans[g]), i + 1)
-                spans[g] *= 4
-                keys = self._keys.all_shard_keys(hashes[lo:hi], g)
-                probed += len(keys)
-                res = self._store.require().batch_is_exist(keys)
-                if min(res, default=0) < 0:
-                    self._store.check(res)
-                    raise StoreError(error_code_label(min(res)))
-                # A block is there if every shard is (1; 0: absent). A short answer raises
-                # (zip's strict): a miss, never a hit of blocks nobody asked about.
-                n = self._shards
-                known[g].update(zip(range(lo, hi), map(bool, res) if n == 1 else
-                                    map(all, zip(*[iter(res)] * n, strict=True)), strict=True))
-                there = known[g][i]
-            return there
+            if time.perf_counter() >= deadline.at:
+                raise _Late
+            lo, hi = (i, min(len(hashes), i + spans[g])) if self._groups[g].kind == FULL \
+                else (max(0, i + 1 - spans[g]), i + 1)
+            spans[g] *= 4
+            keys = self._keys.all_shard_keys(hashes[lo:hi], g)
+            probed += len(keys)
+            res = self._store.require().batch_is_exist(keys)
+            if min(res, default=0) < 0:
+                self._store.check(res)
+                raise StoreError(error_code_label(min(res)))
+            # A block is there if every shard is (1; 0: absent). A short answer raises: a
+            # miss, never a hit of blocks nobody asked about.
+            n = self._shards
+            there = bytes(res) if n == 1 else bytes(map(min, zip(*[iter(res)] * n, strict=True)))
+            if len(there) != hi - lo:
+                raise ValueError(f"batch_is_exist answered {len(res)} of {len(keys)} keys")
+            known[g][lo:hi] = there.translate(_STATES)
+
+        def first_absent(g: int, lo: int, hi: int) -> int:
+            while (i := _first_not_there(known[g], lo, hi)) < hi and not known[g][i]:
+                probe(g, i)
+                lo = i
+            return i
 
         try:
-            found = window_hit(self._groups, present, len(hashes), self._block_size)
+            found = window_hit(self._groups, first_absent, len(hashes), self._block_size)
         except _Late:
             late = True
-            found = window_hit(self._groups, lambda g, i: known[g].get(i, False), len(hashes),
-                               self._block_size)
+            found = window_hit(self._groups, lambda g, lo, hi: _first_not_there(known[g], lo, hi),
+                               len(hashes), self._block_size)
         except Exception as e:  # noqa: BLE001 - any failure is a miss, counted by code
             code = e.code if isinstance(e, StoreError) else EXCEPTION_CODE
             logger.warning("store lookup failed (%s); treating as a miss", e)
             found = 0
         if self.kv_events is not None:  # an announced block a probe missed is gone
             self.kv_events.missing(((g, hashes[i]) for g, kn in enumerate(known)
-                                    for i, there in kn.items() if not there), "lookup", t0)
+                                    for i in _positions(kn, GONE)), "lookup", t0)
         hit_tokens = found * self._block_size
         result = "error" if code else "timeout" if late else ("hit" if found else "miss")
         t_end = time.perf_counter()
@@ -384,12 +413,12 @@ class MooncakeStoreScheduler:
             for g, (spec, ids) in enumerate(zip(self._groups, blocks.get_block_ids(),
                                                 strict=True)):
                 # A sliding-window group gets blocks only for the window before the hit.
-                sel = [i for i in range(max(first, spec.first_needed(last, self._block_size)),
-                                        last) if ids[i] != self._null]
+                sel, t_ids, t_hashes = self._pick(
+                    ids, request.block_hashes,
+                    range(max(first, spec.first_needed(last, self._block_size)), last))
                 if sel:
                     (self._sync_loads if sync else self._loads).append(BlockTransfer(
-                        rid, tuple(ids[i] for i in sel),
-                        tuple(request.block_hashes[i] for i in sel), g))
+                        rid, t_ids, t_hashes, g))
                     if self.kv_events is not None:  # the store holds them for this engine too
                         self.kv_events.loaded(request, sel, g, self._seen.get(rid, 0.0))
             if not sync:
@@ -453,18 +482,32 @@ class MooncakeStoreScheduler:
             return
         for g, (spec, ids) in enumerate(zip(self._groups, tr.block_ids, strict=True)):
             keep = spec.save_mask(first, full, req.num_prompt_tokens, bs, self._retention)
-            sel = [i for i, k in zip(range(first, full), keep, strict=True)
-                   if k and ids[i] != self._null]
+            sel, t_ids, t_hashes = self._pick(ids, req.block_hashes, range(first, full),
+                                              None if all(keep) else keep)
             if not sel:
                 continue
             if spec.kind != FULL:
                 self._pin(req.request_id, [ids[i] for i in sel])
             if self.kv_events is not None:
                 self.kv_events.planned(req, sel, g)
-            saves.append(BlockTransfer(req.request_id, tuple(ids[i] for i in sel),
-                                       tuple(req.block_hashes[i] for i in sel), g))
+            saves.append(BlockTransfer(req.request_id, t_ids, t_hashes, g))
             self._saved.add(req.request_id)
         tr.saved_upto = full * bs
+
+    def _pick(self, ids: Sequence[int], hashes: Sequence[bytes], blocks: range,
+              keep: Sequence[bool] | None = None
+              ) -> tuple[Sequence[int], tuple[int, ...], tuple[bytes, ...]]:
+        """The blocks of `blocks` a transfer moves (those `keep` marks, or all; never vLLM's
+        null block, which pads the blocks a sliding-window group freed), with their block ids
+        and hashes. Where it moves them all, as full attention does, it slices: a 128K-token
+        prompt's plan then costs no Python per block."""
+        null = self._null
+        if keep is None and null not in ids[blocks.start:blocks.stop]:
+            return (blocks, tuple(ids[blocks.start:blocks.stop]),
+                    tuple(hashes[blocks.start:blocks.stop]))
+        sel = [i for i, k in zip(blocks, keep or repeat(True), strict=keep is not None)
+               if k and ids[i] != null]
+        return sel, tuple(map(ids.__getitem__, sel)), tuple(map(hashes.__getitem__, sel))
 
     # ---- pins of sliding-window blocks under saves ----------------------------------------
     def bind_block_pool(self, pool: Any) -> None:

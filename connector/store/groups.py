@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import filterfalse
 from typing import Any
 
 FULL = "full"
@@ -45,15 +44,17 @@ class GroupSpec:
             return 0
         return max(0, n_blocks * block_size - self.window + 1 - self.retained) // block_size
 
-    def hit(self, present: Callable[[int], bool], n_max: int, block_size: int) -> int:
-        """Longest hit of at most `n_max` blocks this group can restore, given which blocks
-        are stored. Sliding window: the longest n whose needed blocks are all present,
-        searched from the right as vLLM's SlidingWindowManager does."""
+    def hit(self, first_absent: Callable[[int, int], int], n_max: int, block_size: int) -> int:
+        """Longest hit of at most `n_max` blocks this group can restore, given the first
+        block of a range that is not stored (`first_absent(lo, hi)`, `hi` if all are): full
+        attention asks once for the whole prefix, so a lookup can answer window by window.
+        Sliding window: the longest n whose needed blocks are all present, searched from the
+        right block by block, as vLLM's SlidingWindowManager does."""
         if self.kind == FULL:
-            return next(filterfalse(present, range(n_max)), n_max)
+            return first_absent(0, n_max)
         run = 0
         for i in range(n_max - 1, -1, -1):
-            if not present(i):
+            if first_absent(i, i + 1) == i:
                 run = 0
                 continue
             run += 1
@@ -125,13 +126,14 @@ def groups_from_kv_cache_config(kv_cache_config: Any, block_size: int
     return tuple(out)
 
 
-def window_hit(groups: Sequence[GroupSpec], present: Callable[[int, int], bool], n_max: int,
-               block_size: int) -> int:
-    """Longest prefix, in blocks, that every group can restore (`present(group, block)`):
-    each group's hit bounds the others', until no group lowers it (vLLM's hybrid rule)."""
+def window_hit(groups: Sequence[GroupSpec], first_absent: Callable[[int, int, int], int],
+               n_max: int, block_size: int) -> int:
+    """Longest prefix, in blocks, that every group can restore (`first_absent(group, lo,
+    hi)`, as `GroupSpec.hit` takes it): each group's hit bounds the others', until no group
+    lowers it (vLLM's hybrid rule)."""
     n = n_max
     while True:
-        lowest = min(g.hit(partial(present, gi), n, block_size)
+        lowest = min(g.hit(partial(first_absent, gi), n, block_size)
                      for gi, g in enumerate(groups))
         if lowest >= n:
             return n

@@ -154,7 +154,9 @@ class ObjectPlan:
     def units(self, block_ids: Sequence[int]) -> list[int]:
         """The units of these blocks, block-major (as `KeyBuilder.object_keys` orders keys)."""
         p = self.pieces
-        return [b * p + i for b in block_ids for i in range(p)]
+        if p == 1:  # a rank moving whole objects (most layouts): unit == block
+            return list(block_ids)
+        return (np.asarray(block_ids, dtype=np.int64)[:, None] * p + np.arange(p)).ravel().tolist()
 
     def addresses(self, units: Sequence[int]
                   ) -> tuple[list[tuple[int, ...]], list[list[int]]]:
@@ -167,15 +169,16 @@ class ObjectPlan:
         which the garbage collector stops tracking: kept lists would be walked by every
         full collection of the worker process."""
         rows = self._rows
-        todo = [u for u in units if u not in rows]
+        got = list(map(rows.get, units))
         sizes = list(self.sizes)
-        if not todo:
-            return [rows[u] for u in units], [sizes] * len(units)
+        if all(got):  # every row kept (a row is a non-empty tuple)
+            return got, [sizes] * len(units)
+        todo = [u for u, row in zip(units, got, strict=True) if row is None]
         made = dict(zip(todo, self._make(todo), strict=True))
         room = ADDRESS_CACHE_BYTES // (len(sizes) * _INT_BYTES + _ROW_BYTES) - len(rows)
         if room > 0:  # threads may add at once: the bound holds to within one call each
             rows.update(itertools.islice(made.items(), room))
-        return [rows.get(u) or made[u] for u in units], [sizes] * len(units)
+        return [row or made[u] for u, row in zip(units, got, strict=True)], [sizes] * len(units)
 
     def _make(self, units: list[int]) -> list[tuple[int, ...]]:
         u = np.asarray(units, dtype=np.int64)

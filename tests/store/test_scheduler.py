@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from connector.config import load_config
-from connector.scheduler.scheduler import MooncakeStoreScheduler
+from connector.scheduler.scheduler import FIRST_WINDOW, MooncakeStoreScheduler
 from connector.store.client import StoreUnavailable
 from connector.store.keys import KeyBuilder, Layout
 from devkit.local_cluster import MooncakeMaster
@@ -75,6 +75,18 @@ def test_hit_needs_every_rank_and_is_capped(sched, store_client):
     # Tokens vLLM already has locally are not loaded again.
     assert ask(sched, request("c", hs, 8 * BS + 5), computed=4 * BS) == (2 * BS, True)
     assert ask(sched, request("d", hashes("none", 4), 4 * BS + 1)) == (0, False)
+
+
+def test_a_gap_deep_in_a_later_window_ends_the_hit_there(sched, store_client):
+    """The lookup reads each window's answers in one scan: a block missing far inside the
+    second window ends the hit at that block, one missing on one rank too, and no window
+    past the gap is asked for."""
+    hs = hashes("gap", 400)
+    store_blocks(store_client, sched, hs[:150] + hs[151:])  # all but block 150
+    store_blocks(store_client, sched, hs[150:151], ranks=(0,))  # block 150: rank 0 only
+    assert ask(sched, request("g", hs, 400 * BS + 1)) == (150 * BS, True)
+    probed = sched.recorder.snapshot().data["c"]["lookup_keys"]
+    assert probed == (FIRST_WINDOW + 4 * FIRST_WINDOW) * 2  # two windows, two ranks' keys
 
 
 def test_failed_load_is_not_retried(sched, store_client):
