@@ -980,6 +980,7 @@ def control_path(r: Runs) -> str:
     first, last = d["sizes"][0], d["sizes"][-1]
     slope = (last["ours_end_to_end_ms"] - first["ours_end_to_end_ms"]) / (
         last["blocks"] - first["blocks"]) * 1e3
+    last_per = last["ours_end_to_end_ms"] / last["blocks"] * 1e3
     oc = d["others_cores"]
     out += ["", f"Milliseconds, the median of {d['rounds']} rounds (sizes interleaved; ranges "
                 f"in `docs/control-path.json`), commit {d['commit']}; other processes used "
@@ -987,6 +988,7 @@ def control_path(r: Runs) -> str:
                 f"{first['blocks']:,} to {last['blocks']:,} blocks the end-to-end cost grows "
                 f"{slope:.2f} ms per 1,000 blocks. Target {t:g} ms per 1,000 blocks end to end: "
                 + (f"**missed** at {', '.join(over)} tokens" if over else "met at every size")
+                + f" ({last_per:.3f} at {last['tokens']:,})"
                 + "; keys and addresses below the in-tree connector's: "
                 + (f"**missed** at {', '.join(slower)} tokens" if slower
                    else "met at every size") + ".", ""]
