@@ -28,6 +28,7 @@ step or a save: workers only append to a deque, the sweep runs on its own thread
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -51,6 +52,7 @@ from connector.store.master_http import MasterKeys
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 SWEEP_BATCH = 64  # blocks per /batch_query_keys request
+_MASK64 = (1 << 64) - 1
 
 
 def vllm_clears(pool: Any) -> bool:
@@ -60,12 +62,20 @@ def vllm_clears(pool: Any) -> bool:
     return any(isinstance(e, AllBlocksCleared) for e in getattr(pool, "kv_event_queue", ()))
 
 
+@functools.cache
+def _int_hashes() -> bool:
+    """vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, read once: vLLM's `envs` reads the
+    environment on every access, which cost more than all the rest of a block's event."""
+    from vllm import envs
+
+    return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+
+
 def external_hash(h: bytes) -> Any:
     """A block hash in vLLM's external form (bytes, or an int with
-    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), as vLLM's own events carry it."""
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-    return maybe_convert_block_hash(h)
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), as vLLM's own events carry it: vLLM's
+    `maybe_convert_block_hash`, with its setting read once."""
+    return int.from_bytes(h, "big") & _MASK64 if _int_hashes() else h
 
 
 # ---- workers ---------------------------------------------------------------------------------
@@ -127,10 +137,10 @@ class WorkerLanded:
 
 
 # ---- scheduler -------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _Block:
+class _Block(NamedTuple):
     """What a `BlockStored` says of a block, kept while it is announced so it can be said again
-    (after vLLM's `AllBlocksCleared`): the tokens as a compact array."""
+    (after vLLM's `AllBlocksCleared`): the tokens as a compact array. A tuple: made for every
+    block of a save or load, where a frozen dataclass's init cost more than the rest."""
 
     parent: bytes | None
     token_ids: array
@@ -142,7 +152,7 @@ class _Block:
 class _Planned:
     block: _Block
     req_id: str
-    ranks: set[int]
+    ranks: int = 0  # a bit per TP rank that reported the block landed
 
 
 # The KV cache group kinds whose blocks are announced: every router indexes these. A
@@ -186,11 +196,16 @@ class StoreEventLog:
         kind = self._spec[group][0] if group < len(self._spec) else None
         return kind in ANNOUNCED_KINDS
 
-    def _block(self, request: Any, i: int) -> _Block:
+    def _blocks(self, request: Any, indices: Sequence[int]) -> list[_Block]:
+        """The `_Block`s of blocks `indices` of `request`: its tokens made an array once, each
+        block's a slice of it."""
+        if not indices:
+            return []
         bs, lora = self._block_size, getattr(request, "lora_request", None)
-        return _Block(request.block_hashes[i - 1] if i > 0 else None,
-                      array("q", request.all_token_ids[i * bs:(i + 1) * bs]),
-                      _extra_keys(request, i * bs, (i + 1) * bs), lora.name if lora else None)
+        lo, hashes, name = min(indices) * bs, request.block_hashes, lora.name if lora else None
+        tokens = array("q", request.all_token_ids[lo:(max(indices) + 1) * bs])
+        return [_Block(hashes[i - 1] if i > 0 else None, tokens[i * bs - lo:(i + 1) * bs - lo],
+                       _extra_keys(request, i * bs, (i + 1) * bs), name) for i in indices]
 
     # -- stored
     def planned(self, request: Any, indices: Sequence[int], group: int) -> None:
@@ -198,9 +213,9 @@ class StoreEventLog:
         attempt, whose ranks report afresh (an earlier attempt's ranks may have lost theirs)."""
         if not self._announced(group):
             return
-        entries = [((group, request.block_hashes[i]),
-                    _Planned(self._block(request, i), request.request_id, set()))
-                   for i in indices]
+        rid, hashes = request.request_id, request.block_hashes
+        entries = [((group, hashes[i]), _Planned(b, rid))
+                   for i, b in zip(indices, self._blocks(request, indices), strict=True)]
         with self._lock:
             for key, p in entries:
                 self._planned.pop(key, None)
@@ -225,8 +240,8 @@ class StoreEventLog:
                 p = self._planned.get(key)
                 if p is None:
                     continue  # announced already (a repeat), settled, or dropped above
-                p.ranks.add(rank)
-                if len(p.ranks) < self._tp_size:
+                p.ranks |= 1 << rank
+                if p.ranks.bit_count() < self._tp_size:
                     continue
                 del self._planned[key]
                 self._announce(key, p.block, now)
@@ -237,11 +252,12 @@ class StoreEventLog:
         (perf_counter) found stored: the store holds them for this engine too."""
         if not self._announced(group):
             return
-        blocks = [((group, request.block_hashes[i]), i) for i in indices]
         with self._lock:
-            for key, i in blocks:
-                if key not in self._live:
-                    self._announce(key, self._block(request, i), seen)
+            new = [i for i in indices if (group, request.block_hashes[i]) not in self._live]
+        blocks = self._blocks(request, new)  # outside the lock: the sweep thread takes it
+        with self._lock:
+            for i, b in zip(new, blocks, strict=True):
+                self._announce((group, request.block_hashes[i]), b, seen)
             self._trim()
 
     def _announce(self, key: tuple[int, bytes], block: _Block, seen: float) -> None:
@@ -398,7 +414,13 @@ class StoreEventLog:
 
 
 def _extra_keys(request: Any, start: int, end: int) -> Any:
-    """The block's extra hash keys (LoRA, cache salt, multimodal), as vLLM's events carry them."""
+    """The block's extra hash keys (LoRA, cache salt, multimodal), as vLLM's events carry them.
+    A request with none of their sources gives `[None]` for every block, known without
+    vLLM's per-block walk (a 128K-token prompt has 8,192 blocks)."""
+    if not (getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+            or (start == 0 and getattr(request, "cache_salt", None))):
+        return [None]
     try:
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,

@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import compress
 from typing import Any
 
 from connector.config import ConnectorConfig
@@ -129,10 +130,13 @@ def _landed(hashes: Sequence[bytes], exists: Sequence[int], new: Sequence[int],
     """The blocks whose `per` keys (block-major) were all found stored or written; every
     block when this rank writes no shard. Not one whose put met -705 (another writer's put of
     the key still in progress): it is not readable yet, and that writer announces it."""
-    ok = [e == 1 for e in exists]
+    if not per:
+        return tuple(hashes)
+    ok = list(map((1).__eq__, exists))
     for i, r in zip(new, results, strict=False):  # results is short when the put never ran
         ok[i] = r == 0
-    return tuple(h for b, h in enumerate(hashes) if all(ok[b * per:(b + 1) * per]))
+    blocks = ok if per == 1 else map(all, zip(*[iter(ok)] * per, strict=True))
+    return tuple(compress(hashes, blocks))
 
 
 class MooncakeStoreWorker:
@@ -774,8 +778,9 @@ class MooncakeStoreWorker:
                 if stored:
                     self.recorder.count("layout_keys", self.tp_rank, "save",
                                         *self._layout_labels[t.group], n=stored)
-            landed = _landed(t.block_hashes, exists, new, results if new else [],
-                             len(plan.shards) if plan else 0)
+            if self.on_landed is not None:  # KV events on
+                landed = _landed(t.block_hashes, exists, new, results if new else [],
+                                 len(plan.shards) if plan else 0)
         except StoreError as e:
             code = e.code
         except Exception as e:

@@ -83,6 +83,39 @@ def test_block_stored_in_vllms_schema():
     assert ev_log.take() == []
 
 
+@pytest.mark.parametrize("as_int", ["0", "1"])
+def test_hashes_and_extra_keys_are_vllms_own(monkeypatch, as_int):
+    """external_hash reads VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES once, and a request without
+    LoRA, multimodal inputs or prompt embeds skips vLLM's per-block walk for its extra keys:
+    both must still give what vLLM's own functions give."""
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        maybe_convert_block_hash,
+        to_event_extra_keys,
+    )
+
+    from connector.observability import kv_events
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", as_int)
+    kv_events._int_hashes.cache_clear()
+    try:
+        h = bytes(range(32))
+        assert external_hash(h) == maybe_convert_block_hash(h)
+        assert type(external_hash(h)) is (int if as_int == "1" else bytes)
+    finally:
+        monkeypatch.undo()
+        kv_events._int_hashes.cache_clear()
+    lora = SimpleNamespace(lora_name="ad", lora_path="/ad", name="ad")
+    for salt in (None, "s"):
+        for adapter in (None, lora):
+            req = SimpleNamespace(lora_request=adapter, mm_features=[], prompt_embeds=None,
+                                  cache_salt=salt)
+            for start in (0, BS, 2 * BS):
+                want = to_event_extra_keys(
+                    [generate_block_hash_extra_keys(req, start, start + BS, 0)[0]])
+                assert kv_events._extra_keys(req, start, start + BS) == want, (salt, adapter)
+
+
 def test_tp2_one_event_per_block_once_every_rank_landed():
     ev_log, _ = log(tp=2)
     req = request(2)
