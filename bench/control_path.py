@@ -19,10 +19,16 @@ Steps, each timed on its own (wall and this process's CPU, which counts every th
 - `save_plan`: a prompt computed from scratch: its lookup miss, then `build_connector_meta`
   with the request scheduled, which plans the save of every block;
 - `save_prep`: what a save thread does before its put: keys and address lists (kept ones,
-  the blocks having been loaded before).
-"End to end" sums every step but `load_prep_first`: what a request costs an engine that has
-run a while. Beside them, `exist_call`: Mooncake's batch existence check of every key of the
-prompt alone, one call from a plain client (the store's own share of a lookup).
+  the blocks having been loaded before);
+- `events_load` and `events_save`, with store KV events on (`--kv-events-config`): the
+  scheduler announcing every block of the hit (`StoreEventLog.loaded`), and the blocks of the
+  save planned, reported landed by the save thread (`_landed`, `WorkerLanded`), announced once
+  landed, then taken for vLLM's publisher (`take`). A fresh event log each time: a block's
+  first announcement, not a repeat of one still live.
+"End to end" sums every step but `load_prep_first` and the events: what a request costs an
+engine that has run a while; "with KV events" adds both event steps. Beside them,
+`exist_call`: Mooncake's batch existence check of every key of the prompt alone, one call from
+a plain client (the store's own share of a lookup).
 In-tree, on the same hashes, block ids and KV tensors: `keys` (`RankLocalStoreLayout.key_for`
 per block, as its scheduler and worker build them) and `prepare_values` (its address lists,
 vectorised in vllm#48531). Its scheduler's lookup needs a running engine's config and is not
@@ -56,9 +62,12 @@ import torch
 
 from bench.testbed import OthersMeter, Testbed, open_client
 from connector.config import load_config
+from connector.observability.kv_event_settings import EventSettings
+from connector.observability.kv_events import StoreEventLog, WorkerLanded
 from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.keys import KeyBuilder, Layout, kv_signature
 from connector.worker.kv_regions import ObjectPlan, plan_group
+from connector.worker.worker import _landed
 from devkit.local_cluster import local_pool
 from devkit.provenance import git_commit
 
@@ -66,6 +75,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 80, 8, 128, 16
 TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 TARGET_MS_PER_1000_BLOCKS = 2.0
+EVENT_STEPS = ("events_load", "events_save")
 
 
 def kv_caches(num_blocks: int, layers: int) -> dict[str, torch.Tensor]:
@@ -119,7 +129,29 @@ class Ours:
         self._n += 1
         n = len(hashes) * BLOCK + 1
         return SimpleNamespace(request_id=f"r{self._n}", block_hashes=list(hashes),
-                               num_tokens=n, num_prompt_tokens=n, trace_headers=None)
+                               num_tokens=n, num_prompt_tokens=n, trace_headers=None,
+                               all_token_ids=list(range(1000, 1000 + n)), lora_request=None,
+                               mm_features=[], prompt_embeds=None, cache_salt=None)
+
+    @staticmethod
+    def _events() -> StoreEventLog:
+        """A scheduler's store event log with room for every block (its sweep not started)."""
+        return StoreEventLog(EventSettings("STORAGE", None, 0.0, "", 1 << 20, 1 << 20), 1,
+                             BLOCK, lambda hs, g: [], 1, lambda *a, **k: None,
+                             (("full_attention", None),))
+
+    def _events_load(self, req: SimpleNamespace) -> int:
+        log = self._events()
+        log.loaded(req, range(len(req.block_hashes)), 0, 0.0)
+        return len(log.take())
+
+    def _events_save(self, req: SimpleNamespace) -> int:
+        log, n = self._events(), len(req.block_hashes)
+        log.planned(req, range(n), 0)
+        worker = WorkerLanded(0, 1 << 20, lambda *a, **k: None)
+        worker.add(0, _landed(req.block_hashes, [0] * n, range(n), [0] * n, 1))
+        log.landed(worker.take().get_all_events())
+        return len(log.take())
 
     def _ask(self, req: SimpleNamespace) -> tuple[int, bool]:
         self.sched.prefetch(req)
@@ -156,6 +188,8 @@ class Ours:
         self._firsts.append(plan_group(self._caches, self._num_blocks, HEADS, 1).load)
         *out["load_prep_first"], _ = timed(lambda: self._prep(hashes, ids, self._firsts[-1]))
         *out["load_prep"], _ = timed(lambda: self._prep(hashes, ids))
+        *out["events_load"], announced = timed(lambda: self._events_load(req))
+        assert announced == len(ids), f"{announced} BlockStored for a hit of {len(ids)} blocks"
         self.sched.update_connector_output(SimpleNamespace(finished_sending=None,
                                                            finished_recving={req.request_id}))
         self.sched.request_finished(req, [*ids, self.tail])
@@ -172,6 +206,8 @@ class Ours:
         *out["save_plan"], meta = timed(lambda: self._step([new]))
         assert sum(len(t.block_ids) for t in meta.saves) == len(ids), "not one save plan"
         *out["save_prep"], _ = timed(lambda: self._prep(hashes, ids))
+        *out["events_save"], announced = timed(lambda: self._events_save(req))
+        assert announced == len(ids), f"{announced} BlockStored for a save of {len(ids)} blocks"
         self.sched.update_connector_output(SimpleNamespace(finished_sending={req.request_id},
                                                            finished_recving=None))
         self.sched.request_finished(req, [*ids, self.tail])
@@ -254,7 +290,9 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
                "store": summarise(samples[("store", n)], n)}
         o, i = row["ours"], row["in_tree"]
         row["ours_end_to_end_ms"] = round(sum(o[s]["wall_ms"] for s in o
-                                              if s != "load_prep_first"), 3)
+                                              if s not in ("load_prep_first", *EVENT_STEPS)), 3)
+        row["ours_with_kv_events_ms"] = round(row["ours_end_to_end_ms"] + sum(
+            o[s]["wall_ms"] for s in EVENT_STEPS), 3)
         # Against the in-tree connector, which makes its lists every time: ours made too.
         row["ours_comparable_ms"] = round(o["load_prep_first"]["wall_ms"], 3)
         row["in_tree_comparable_ms"] = round(i["keys"]["wall_ms"] + i["prepare_values"]["wall_ms"],
@@ -281,6 +319,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                     label=f"{'ours' if side == 'ours' else 'in-tree'}: {step}")
     ax.plot(x, [r["ours_end_to_end_ms"] for r in rows], color="black", linewidth=2,
             label="ours: end to end")
+    ax.plot(x, [r["ours_with_kv_events_ms"] for r in rows], color="black", linewidth=2,
+            linestyle="--", label="ours: end to end with KV events")
     ax.plot(x, [n * doc["target_ms_per_1000_blocks"] / 1e3 for n in x], color="red",
             linestyle=":",
             label=f"target: {doc['target_ms_per_1000_blocks']:g} ms per 1,000 blocks")

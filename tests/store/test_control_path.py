@@ -1,6 +1,7 @@
 """bench/control_path.py at a small size against a real master: every step of ours runs as
 the engine would run it (the lookup hits every stored block, one load plan and one save plan
-cover the prompt: the bench asserts each), and the in-tree side addresses the same blocks."""
+cover the prompt, and with KV events every block is announced once on each path: the bench
+asserts each), and the in-tree side addresses the same blocks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def test_the_bench_times_every_step_of_both_connectors():
     assert [r["blocks"] for r in out["sizes"]] == [16, 32]
     for row in out["sizes"]:
         steps = {"lookup", "plan", "load_prep", "save_plan", "save_prep"}
-        assert set(row["ours"]) == steps | {"load_prep_first"}
+        events = {"events_load", "events_save"}
+        assert set(row["ours"]) == steps | events | {"load_prep_first"}
         assert set(row["in_tree"]) == {"keys", "prepare_values"}
         assert set(row["store"]) == {"exist_call"}
         assert row["ours"]["lookup"]["wall_ms"] > 0  # a master round trip at least
@@ -22,4 +24,6 @@ def test_the_bench_times_every_step_of_both_connectors():
         # End to end: an engine that has run a while (the lists kept), the first use apart.
         assert row["ours_end_to_end_ms"] == pytest.approx(
             sum(row["ours"][s]["wall_ms"] for s in steps), abs=2e-3)
+        assert row["ours_with_kv_events_ms"] == pytest.approx(
+            sum(row["ours"][s]["wall_ms"] for s in steps | events), abs=2e-3)
         assert row["ours_comparable_ms"] == row["ours"]["load_prep_first"]["wall_ms"]
