@@ -145,7 +145,7 @@ class Ours:
     def _events_load(self, req: SimpleNamespace) -> int:
         log = self._events()
         log.loaded(req, range(len(req.block_hashes)), 0, 0.0)
-        return len(log.take())
+        return sum(len(e.block_hashes) for e in log.take())
 
     def _events_save(self, req: SimpleNamespace) -> int:
         log, n = self._events(), len(req.block_hashes)
@@ -153,7 +153,7 @@ class Ours:
         worker = WorkerLanded(0, 1 << 20, lambda *a, **k: None)
         worker.add(0, _landed(req.block_hashes, [0] * n, range(n), [0] * n, 1))
         log.landed(worker.take().get_all_events())
-        return len(log.take())
+        return sum(len(e.block_hashes) for e in log.take())
 
     def _ask(self, req: SimpleNamespace) -> tuple[int, bool]:
         self.sched.prefetch(req)
@@ -191,7 +191,7 @@ class Ours:
         *out["load_prep_first"], _ = timed(lambda: self._prep(hashes, ids, self._firsts[-1]))
         *out["load_prep"], _ = timed(lambda: self._prep(hashes, ids))
         *out["events_load"], announced = timed(lambda: self._events_load(req))
-        assert announced == len(ids), f"{announced} BlockStored for a hit of {len(ids)} blocks"
+        assert announced == len(ids), f"{announced} blocks announced of a hit of {len(ids)}"
         self.sched.update_connector_output(SimpleNamespace(finished_sending=None,
                                                            finished_recving={req.request_id}))
         self.sched.request_finished(req, [*ids, self.tail])
@@ -209,7 +209,7 @@ class Ours:
         assert sum(len(t.block_ids) for t in meta.saves) == len(ids), "not one save plan"
         *out["save_prep"], _ = timed(lambda: self._prep(hashes, ids))
         *out["events_save"], announced = timed(lambda: self._events_save(req))
-        assert announced == len(ids), f"{announced} BlockStored for a save of {len(ids)} blocks"
+        assert announced == len(ids), f"{announced} blocks announced of a save of {len(ids)}"
         self.sched.update_connector_output(SimpleNamespace(finished_sending={req.request_id},
                                                            finished_recving=None))
         self.sched.request_finished(req, [*ids, self.tail])

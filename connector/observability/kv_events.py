@@ -7,10 +7,12 @@ Where each event is born:
   tokens nor whether the other ranks' shards landed. After each step it hands the scheduler
   those blocks (`LandedShards`, vLLM's `KVConnectorKVEvents` container, which vLLM's output
   aggregator merges over the TP ranks into the step's `KVConnectorOutput`). No event yet.
-- The scheduler (`StoreEventLog`) makes the `BlockStored` once every rank has reported the
-  block: one event per logical block at any TP size, with the tokens and parent it planned the
-  save with. A block skipped because the store held it already is news only if no event for it
-  is live. vLLM takes the events each step (`take_events`).
+- The scheduler (`StoreEventLog`) announces a block once every rank has reported it: once
+  per logical block at any TP size, with the tokens and parent it planned the save with. The
+  blocks announced together go out as one `BlockStored` per run of a request's consecutive
+  blocks, as vLLM's own events carry a request's blocks (an event per block cost a 128K-token
+  prompt tens of ms in the scheduler's step). A block skipped because the store held it
+  already is news only if no event for it is live. vLLM takes the events each step (`take_events`).
 - Removals: Mooncake 0.3.13's master accepts `--enable_kv_events` but its ZMQ publisher is not
   built into the wheel (its `/kv_events/status` says `enabled: false`; nothing is published on
   eviction or removal: tests/store/test_kv_events_store.py keeps checking). So a sweep thread
@@ -20,7 +22,7 @@ Where each event is born:
   that misses an announced block announces it removed too. Only blocks announced before the
   query that missed them are removed, so a block stored meanwhile is never withdrawn.
 
-Bounded and never waited for: the event queue holds `kv_events_queue` events (vLLM drains it
+Bounded and never waited for: the event queue holds `kv_events_queue` blocks (vLLM drains it
 each step), each worker as many saved blocks, the planned saves and the live set are bounded
 too; what does not fit is dropped and counted (`kv_events_dropped`). Nothing here blocks a
 step or a save: workers only append to a deque, the sweep runs on its own thread.
@@ -186,6 +188,7 @@ class StoreEventLog:
         # announced blocks -> (when the store was last seen holding it, what was announced)
         self._live: OrderedDict[tuple[int, bytes], tuple[float, _Block]] = OrderedDict()
         self._queue: deque[tuple[str, KVCacheEvent]] = deque()
+        self._queued_blocks = 0  # blocks the queued events carry (bounded by settings.queue)
         self._repeat: deque[tuple[int, bytes]] = deque()  # live blocks to announce again
         self._uncounted = False  # events taken whose count no stats collection has shipped
         self._stop = threading.Event()
@@ -204,8 +207,10 @@ class StoreEventLog:
         bs, lora = self._block_size, getattr(request, "lora_request", None)
         lo, hashes, name = min(indices) * bs, request.block_hashes, lora.name if lora else None
         tokens = array("q", request.all_token_ids[lo:(max(indices) + 1) * bs])
+        plain = not _has_extra_keys(request)  # then only a cache salt, on block 0, has one
         return [_Block(hashes[i - 1] if i > 0 else None, tokens[i * bs - lo:(i + 1) * bs - lo],
-                       _extra_keys(request, i * bs, (i + 1) * bs), name) for i in indices]
+                       [None] if plain and i else _extra_keys(request, i * bs, (i + 1) * bs),
+                       name) for i in indices]
 
     # -- stored
     def planned(self, request: Any, indices: Sequence[int], group: int) -> None:
@@ -235,6 +240,7 @@ class StoreEventLog:
         """Workers' reports: a block whose every rank reported is stored."""
         now = time.perf_counter()
         with self._lock:
+            stored = []
             for rank, group, h in records:
                 key = (group, h)
                 p = self._planned.get(key)
@@ -244,29 +250,48 @@ class StoreEventLog:
                 if p.ranks.bit_count() < self._tp_size:
                     continue
                 del self._planned[key]
-                self._announce(key, p.block, now)
-            self._trim()
+                stored.append((key, p.block))
+            self._announce(stored, now)
 
     def loaded(self, request: Any, indices: Sequence[int], group: int, seen: float) -> None:
         """This engine loads blocks `indices` of `request`, which a lookup started at `seen`
         (perf_counter) found stored: the store holds them for this engine too."""
         if not self._announced(group):
             return
+        hashes = request.block_hashes
         with self._lock:
-            new = [i for i in indices if (group, request.block_hashes[i]) not in self._live]
+            new = [i for i in indices if (group, hashes[i]) not in self._live]
         blocks = self._blocks(request, new)  # outside the lock: the sweep thread takes it
         with self._lock:
-            for i, b in zip(new, blocks, strict=True):
-                self._announce((group, request.block_hashes[i]), b, seen)
-            self._trim()
+            self._announce([((group, hashes[i]), b) for i, b in zip(new, blocks, strict=True)],
+                           seen)
 
-    def _announce(self, key: tuple[int, bytes], block: _Block, seen: float) -> None:
-        """(Under the lock.) The store holds `key`: live from `seen` on, announced if new."""
-        if key in self._live:  # stored again (or skipped): still live, confirmed now
-            self._live[key] = (max(seen, self._live[key][0]), self._live[key][1])
-            self._live.move_to_end(key)
-        elif self._push("stored", self._stored_event(key[0], key[1], block)):
-            self._live[key] = (seen, block)
+    def _announce(self, blocks: list[tuple[tuple[int, bytes], _Block]], seen: float) -> None:
+        """(Under the lock.) The store holds `blocks`: live from `seen` on. Those not live yet
+        are announced, as many as the queue has room for (the rest dropped, counted, and not
+        live); each run of a request's consecutive blocks in one `BlockStored`, as vLLM's own
+        events carry a request's blocks."""
+        live, new = self._live, []
+        for key, block in blocks:
+            if key in live:  # stored again (or skipped): still live, confirmed now
+                live[key] = (max(seen, live[key][0]), live[key][1])
+                live.move_to_end(key)
+            else:
+                new.append((key, block))
+        room = max(0, self.settings.queue - self._queued_blocks)
+        if len(new) > room:
+            self._count("kv_events_dropped", "stored", n=len(new) - room)
+            del new[room:]
+        for key, block in new:
+            live[key] = (seen, block)
+        start = 0
+        for i in range(1, len(new) + 1):  # a run ends where the next block is not its child
+            if i == len(new) or new[i][0][0] != new[i - 1][0][0] \
+                    or new[i][1].parent != new[i - 1][0][1] \
+                    or new[i][1].lora_name != new[i - 1][1].lora_name:
+                self._push("stored", self._stored_event(new[start:i]), i - start)
+                start = i
+        self._trim()
 
     def _trim(self) -> None:
         while len(self._live) > self.settings.max_live:
@@ -274,13 +299,19 @@ class StoreEventLog:
             self._count("kv_events_removals", "live_limit")
             self._push("removed", self._removed_event(group, h))
 
-    def _stored_event(self, group: int, h: bytes, b: _Block) -> BlockStored:
+    def _stored_event(self, run: Sequence[tuple[tuple[int, bytes], _Block]]) -> BlockStored:
+        """One `BlockStored` for blocks of one group, each the child of the one before."""
+        group, first = run[0][0][0], run[0][1]
         kind, window = self._spec[group] if group < len(self._spec) else (None, None)
+        tokens = array("q")
+        for _, b in run:
+            tokens.extend(b.token_ids)
         return BlockStored(
-            block_hashes=[external_hash(h)],
-            parent_block_hash=external_hash(b.parent) if b.parent is not None else None,
-            token_ids=b.token_ids.tolist(), block_size=self._block_size, lora_id=None,
-            medium=self.settings.medium, lora_name=b.lora_name, extra_keys=b.extra_keys,
+            block_hashes=[external_hash(key[1]) for key, _ in run],
+            parent_block_hash=external_hash(first.parent) if first.parent is not None else None,
+            token_ids=tokens.tolist(), block_size=self._block_size, lora_id=None,
+            medium=self.settings.medium, lora_name=first.lora_name,
+            extra_keys=[k for _, b in run for k in b.extra_keys or (None,)],
             group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
             locality=self.settings.locality)
 
@@ -320,12 +351,14 @@ class StoreEventLog:
             return list(self._live)
 
     # -- queue
-    def _push(self, kind: str, ev: KVCacheEvent) -> bool:
-        """Queue an event (under the lock); False, counted, when the queue is full."""
-        if len(self._queue) >= self.settings.queue:
-            self._count("kv_events_dropped", kind)
+    def _push(self, kind: str, ev: KVCacheEvent, blocks: int = 1) -> bool:
+        """Queue an event of `blocks` blocks (under the lock); False, counted, when the queue
+        (`kv_events_queue` blocks) has no room for them."""
+        if self._queued_blocks + blocks > self.settings.queue:
+            self._count("kv_events_dropped", kind, n=blocks)
             return False
         self._queue.append((kind, ev))
+        self._queued_blocks += blocks
         return True
 
     def pending(self) -> bool:
@@ -344,16 +377,18 @@ class StoreEventLog:
         after a cache reset, as many as the queue holds."""
         with self._lock:
             queued, self._queue = list(self._queue), deque()
-            while self._repeat and len(queued) < self.settings.queue:
+            room, self._queued_blocks = self.settings.queue - self._queued_blocks, 0
+            while self._repeat and room:
                 key = self._repeat.popleft()
                 live = self._live.get(key)
                 if live is not None:
-                    queued.append(("stored", self._stored_event(key[0], key[1], live[1])))
+                    queued.append(("stored", self._stored_event([(key, live[1])])))
+                    room -= 1
         if not queued:
             return []
         self._uncounted = True
         for kind in ("stored", "removed"):
-            n = sum(1 for k, _ in queued if k == kind)
+            n = sum(len(ev.block_hashes) for k, ev in queued if k == kind)
             if n:
                 self._count("kv_events", kind, n=n)
         return [ev for _, ev in queued]
@@ -413,13 +448,18 @@ class StoreEventLog:
             self._thread.join(timeout)
 
 
+def _has_extra_keys(request: Any) -> bool:
+    """Whether any block of `request` but the first may have extra hash keys (LoRA,
+    multimodal input, prompt embeds; a cache salt is the first block's only)."""
+    return bool(getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
+                or getattr(request, "prompt_embeds", None) is not None)
+
+
 def _extra_keys(request: Any, start: int, end: int) -> Any:
     """The block's extra hash keys (LoRA, cache salt, multimodal), as vLLM's events carry them.
     A request with none of their sources gives `[None]` for every block, known without
     vLLM's per-block walk (a 128K-token prompt has 8,192 blocks)."""
-    if not (getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
-            or getattr(request, "prompt_embeds", None) is not None
-            or (start == 0 and getattr(request, "cache_salt", None))):
+    if not (_has_extra_keys(request) or (start == 0 and getattr(request, "cache_salt", None))):
         return [None]
     try:
         from vllm.v1.core.kv_cache_utils import (

@@ -152,7 +152,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("load_tier_bytes", "counter", ("tp_rank", "tier", "tenant"), "Bytes loaded from the store, by the tier that held them.",
            "What bandwidth does each tier deliver?"),
     # KV events for routers (kv_events on: connector/observability/kv_events.py, docs/kv-events.md).
-    Family("kv_events", "counter", ("kind", "medium", "locality"), "Store KV events published into vLLM's KV event stream, by kind: stored (BlockStored: every TP rank's shards of the block are in the store, or this engine found it there) or removed (BlockRemoved: an announced block left the store); medium and locality are what the events carry (kv_events_medium, kv_events_locality: none is unset), which decide whether a router takes them.",
+    Family("kv_events", "counter", ("kind", "medium", "locality"), "Blocks announced in the store KV events published into vLLM's KV event stream, by kind: stored (in a BlockStored, which carries a run of a request's blocks: every TP rank's shards of each are in the store, or this engine found it there) or removed (BlockRemoved: an announced block left the store); medium and locality are what the events carry (kv_events_medium, kv_events_locality: none is unset), which decide whether a router takes them.",
            "Does the router hear of the store's blocks, and of the ones it loses?"),
     Family("kv_events_dropped", "counter", ("kind",), "Store KV events dropped because a bounded queue was full, by kind: stored, removed, or landed (a worker's report of a saved block, so its BlockStored never came); none is ever waited for.",
            "Does the router's view of the store have holes?"),

@@ -23,7 +23,10 @@ class Topic:
     """What one engine announced, as a router following it would keep it: by KV cache group
     and hash (the groups of a hybrid model announce the same block hash each). vLLM's
     `AllBlocksCleared` (its prefix cache reset) empties it, as Dynamo and llm-d empty every
-    tier of that engine; `clears` holds the index in `stored` at which each came."""
+    tier of that engine; `clears` holds the index in `stored` at which each came. A
+    `BlockStored` of several blocks (a run, each the child of the one before) is kept as one
+    single-block `BlockStored` per block, as a router indexes them; `events` counts the
+    events as they came."""
 
     stored: list[BlockStored] = field(default_factory=list)
     removed: list[BlockRemoved] = field(default_factory=list)
@@ -32,6 +35,7 @@ class Topic:
     violations: list[str] = field(default_factory=list)
     other_media: Counter = field(default_factory=Counter)
     clears: list[int] = field(default_factory=list)
+    events: int = 0  # BlockStored events of this medium, as published
 
     def before_clear(self) -> list[BlockStored]:
         """The BlockStored events before the first AllBlocksCleared."""
@@ -75,7 +79,8 @@ class Subscriber:
                 t.other_media[getattr(ev, "medium", type(ev).__name__)] += 1
                 continue
             if isinstance(ev, BlockStored):
-                t.stored.append(ev)
+                t.events += 1
+                t.stored += per_block(ev)
                 for h in ev.block_hashes:
                     if (ev.group_idx, h) in t.live:
                         t.violations.append(f"BlockStored for {h} (group {ev.group_idx}) "
@@ -100,7 +105,7 @@ class Subscriber:
         with self._lock:
             t = self.topics.get(topic, Topic())
             return Topic(list(t.stored), list(t.removed), set(t.live), t.max_live,
-                         list(t.violations), Counter(t.other_media), list(t.clears))
+                         list(t.violations), Counter(t.other_media), list(t.clears), t.events)
 
     def wait(self, topic: str, until, what: str, poke: VllmServer | None,
              timeout: float = 90.0, interval: float = 0.25) -> Topic:
@@ -121,6 +126,19 @@ class Subscriber:
         self._thread.join(5)
         self._sock.close(0)
         self._ctx.term()
+
+
+def per_block(ev: BlockStored) -> list[BlockStored]:
+    """A run's blocks, each as a BlockStored of its own: its hash, its parent (the run's
+    parent for the first, the block before it for the rest), its tokens and extra keys."""
+    bs, parents = ev.block_size, [ev.parent_block_hash, *ev.block_hashes[:-1]]
+    return [BlockStored(
+        block_hashes=[h], parent_block_hash=parent, token_ids=ev.token_ids[k * bs:(k + 1) * bs],
+        block_size=bs, lora_id=ev.lora_id, medium=ev.medium, lora_name=ev.lora_name,
+        extra_keys=[ev.extra_keys[k]] if ev.extra_keys else None, group_idx=ev.group_idx,
+        kv_cache_spec_kind=ev.kv_cache_spec_kind,
+        kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window, locality=ev.locality)
+        for k, (h, parent) in enumerate(zip(ev.block_hashes, parents, strict=True))]
 
 
 def poked(server: VllmServer) -> None:

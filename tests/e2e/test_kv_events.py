@@ -16,7 +16,7 @@ One small store (a 16 MB store node segment, leases of 0.5 s) and two engine sta
 - B's prefix cache is reset: vLLM's `AllBlocksCleared` empties a router's view of B, and B
   announces its store blocks again right after it.
 Both store two objects per block (store_tp_size 2), so one block is announced once for two
-writes; two TP ranks' reports merged into one event per block are tested against a real store
+writes; two TP ranks' reports merged into one announcement per block are tested against a real store
 with two worker ranks (tests/store/test_kv_events_store.py) and on the TP=2 engines of
 tests/e2e/test_cross_tp.py. The subscriber (tests/e2e/kv_events_kit.py) binds before the
 engines start (vLLM's publisher connects to a `tcp://host:port` endpoint). Every wait is on
@@ -140,8 +140,10 @@ def test_stored_events_cover_every_saved_block(a, sub):
     time.sleep(2 * SWEEP_S)  # nothing more, nothing removed
     poked(a)
     t = sub.view("a")
-    print(f"stored {len(t.stored)} for {len(want)} blocks; vLLM's own events {t.other_media}")
+    print(f"stored {len(t.stored)} for {len(want)} blocks in {t.events} BlockStored; vLLM's "
+          f"own events {t.other_media}")
     assert sorted(tuple(e.token_ids) for e in t.stored) == sorted(want)
+    assert t.events < len(t.stored)  # runs of a request's blocks, as vLLM's own events
     assert t.removed == [] and t.violations == []
     by_tokens = {tuple(e.token_ids): e for e in t.stored}
     for p in FIRST:

@@ -89,7 +89,8 @@ def announce(log: StoreEventLog, client, sched, req) -> list[str]:
     assert put(client, keys) == [0] * len(keys)
     log.planned(req, range(len(req.block_hashes)), 0)
     log.landed([(0, 0, h) for h in req.block_hashes])
-    assert len(log.take()) == len(req.block_hashes)
+    (ev,) = log.take()  # the request's blocks: one run
+    assert ev.block_hashes == [external_hash(h) for h in req.block_hashes]
     return keys
 
 
@@ -265,12 +266,13 @@ def test_a_failed_sweep_removes_nothing():
             sched.shutdown()
 
 
-def test_tp2_ranks_make_one_event_per_block_once_both_shards_landed():
+def test_tp2_ranks_announce_each_block_once_both_shards_landed():
     """Two TP=2 worker ranks (store_tp_size 2: each writes its own shard of every block) save
     into a real store; their reports, merged by vLLM's own KVOutputAggregator as the engine
-    merges its workers' step outputs, make one BlockStored per logical block, and only once
-    both ranks' shards are in the store. (An e2e TP=2 engine costs a start of its own on the
-    CI's CPUs; the engine's half of this path, TP=1, runs in tests/e2e/test_kv_events.py.)"""
+    merges its workers' step outputs, announce each logical block once (in a BlockStored of
+    the blocks that landed together), and only once both ranks' shards are in the store.
+    (An e2e TP=2 engine costs a start of its own on the CI's CPUs; the engine's half of this
+    path, TP=1, runs in tests/e2e/test_kv_events.py.)"""
     with local_pool("64MB", extra_args=LEASE) as (master, _node):
         layout = Layout("kvev-tp2", "bfloat16", BS, 2, 32, LAYERS, 2, store_tp_size=2)
         cfg = load_config(master.store_config(global_segment_size=0,
@@ -314,18 +316,18 @@ def test_tp2_ranks_make_one_event_per_block_once_both_shards_landed():
             # Rank 0 writes its shard of all six blocks, rank 1 of the first three only.
             first = step({0: range(6), 1: range(3)})
             assert both_shards_stored(range(3)) and not both_shards_stored(range(3, 6))
-            assert [e.block_hashes for e in first] == [[external_hash(h)] for h in hs[:3]]
+            assert [e.block_hashes for e in first] == [[external_hash(h) for h in hs[:3]]]
             # A step later rank 1 writes the rest: now those are announced, once each.
             second = step({1: range(3, 6)})
             assert both_shards_stored(range(6))
-            assert [e.block_hashes for e in second] == [[external_hash(h)] for h in hs[3:]]
+            assert [e.block_hashes for e in second] == [[external_hash(h) for h in hs[3:]]]
             assert all(isinstance(e, BlockStored) for e in first + second)
-            assert [e.parent_block_hash for e in first + second] == \
-                [None, *(external_hash(h) for h in hs[:5])]
+            assert [e.parent_block_hash for e in first + second] == [None, external_hash(hs[2])]
             # Both ranks save all six again (found stored, skipped): still live, no news.
             log.planned(req, range(6), 0)
             assert step({0: range(6), 1: range(6)}) == []
-            print(f"TP=2: {len(first)} + {len(second)} BlockStored for 6 blocks of 2 shards")
+            print(f"TP=2: {len(first)} + {len(second)} BlockStored (runs) for 6 blocks of 2 "
+                  "shards")
             assert counts[("kv_events", "stored")] == 6
             assert len(log.live()) == 6 and not any(k[0] == "kv_events_dropped" for k in counts)
         finally:

@@ -40,7 +40,7 @@ def settings(**kw) -> EventSettings:
 def request(n_blocks: int, rid: str = "r") -> SimpleNamespace:
     tokens = list(range(1000 * len(rid), 1000 * len(rid) + n_blocks * BS))
     return SimpleNamespace(request_id=rid, all_token_ids=tokens, lora_request=None,
-                           block_hashes=[f"{rid}{i}".encode().ljust(32, b"\0")
+                           block_hashes=[f"{rid}{i}".encode().rjust(32, b"\0")
                                          for i in range(n_blocks)])
 
 
@@ -65,21 +65,56 @@ def roundtrip(events: list) -> list:
     return msgspec.msgpack.Decoder(type=KVEventBatch).decode(raw).events
 
 
+def per_block(events: list) -> list[tuple]:
+    """(hash, parent, tokens, extra keys) of each block the BlockStored events carry, in
+    order, as a router reads a run of blocks (each the child of the one before it)."""
+    out = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            parent = e.parent_block_hash
+            for k, h in enumerate(e.block_hashes):
+                out.append((h, parent, e.token_ids[k * e.block_size:(k + 1) * e.block_size],
+                            e.extra_keys[k]))
+                parent = h
+    return out
+
+
 def test_block_stored_in_vllms_schema():
     ev_log, counts = log()
     req = request(3)
     ev_log.planned(req, [0, 1, 2], 0)
     ev_log.landed([(0, 0, h) for h in req.block_hashes])
     events = roundtrip(ev_log.take())
-    assert [type(e) for e in events] == [BlockStored] * 3
-    for i, e in enumerate(events):
+    # One event for the request's run of blocks, as vLLM's own events carry a request's.
+    (e,) = events
+    assert isinstance(e, BlockStored) and len(e.extra_keys) == len(e.block_hashes) == 3
+    assert len(set(e.block_hashes)) == 3
+    assert (e.block_size, e.group_idx, e.medium, e.locality) == (BS, 0, "STORAGE", None)
+    assert e.kv_cache_spec_kind == "full_attention"
+    for i, (h, parent, tokens, extra) in enumerate(per_block(events)):
         # vLLM's external form (an int by default: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
-        assert e.block_hashes == [external_hash(req.block_hashes[i])]
-        assert e.parent_block_hash == (external_hash(req.block_hashes[i - 1]) if i else None)
-        assert e.token_ids == req.all_token_ids[i * BS:(i + 1) * BS]
-        assert (e.block_size, e.group_idx, e.medium, e.locality) == (BS, 0, "STORAGE", None)
-        assert e.kv_cache_spec_kind == "full_attention"
-    assert counts.c[("kv_events", "stored")] == 3
+        assert h == external_hash(req.block_hashes[i])
+        assert parent == (external_hash(req.block_hashes[i - 1]) if i else None)
+        assert tokens == req.all_token_ids[i * BS:(i + 1) * BS]
+        assert extra is None
+    assert counts.c[("kv_events", "stored")] == 3  # blocks announced
+
+
+def test_a_run_ends_at_a_gap_or_another_request():
+    """Blocks landed together make one BlockStored per run of a request's consecutive
+    blocks: a block whose parent was not announced with it (a gap) starts another, and so
+    does another request's."""
+    ev_log, _ = log()
+    a, b = request(4, "a"), request(2, "b")
+    ev_log.planned(a, [0, 1, 3], 0)
+    ev_log.planned(b, [0, 1], 0)
+    ev_log.landed([(0, 0, h) for h in (*a.block_hashes, *b.block_hashes)])
+    events = roundtrip(ev_log.take())
+    assert [e.block_hashes for e in events] == [
+        [external_hash(h) for h in a.block_hashes[:2]], [external_hash(a.block_hashes[3])],
+        [external_hash(h) for h in b.block_hashes]]
+    assert events[1].parent_block_hash == external_hash(a.block_hashes[2])
+    assert events[1].token_ids == a.all_token_ids[3 * BS:4 * BS]
     assert ev_log.take() == []
 
 
@@ -136,7 +171,7 @@ def test_skipped_block_is_news_only_if_not_live():
     a, b = request(2, "a"), request(2, "a")  # b repeats a's prefix: its save finds it stored
     ev_log.planned(a, [0, 1], 0)
     ev_log.landed([(0, 0, h) for h in a.block_hashes])
-    assert len(ev_log.take()) == 2
+    assert len(per_block(ev_log.take())) == 2
     ev_log.planned(b, [0, 1], 0)
     ev_log.landed([(0, 0, h) for h in b.block_hashes])
     assert ev_log.take() == []
@@ -178,7 +213,7 @@ def test_queue_bound_drops_and_counts_and_never_announces_a_dropped_block():
     ev_log.planned(req, range(16, 20), 0)
     assert counts.c[("kv_events_dropped", "stored")] == 4
     ev_log.landed([(0, 0, h) for h in req.block_hashes])
-    assert len(ev_log.take()) == 16
+    assert len(per_block(ev_log.take())) == 16
     # A full event queue: the stored events that do not fit are dropped, not made live.
     more = request(20, "bb")
     ev_log.planned(more, range(16), 0)
@@ -186,7 +221,7 @@ def test_queue_bound_drops_and_counts_and_never_announces_a_dropped_block():
     ev_log.planned(more, range(16, 20), 0)
     ev_log.landed([(0, 0, h) for h in more.block_hashes[16:]])
     assert counts.c[("kv_events_dropped", "stored")] == 8
-    assert len(ev_log.take()) == 16
+    assert len(per_block(ev_log.take())) == 16
     live = set(ev_log.live())
     assert all((0, h) not in live for h in more.block_hashes[16:])
 
@@ -330,12 +365,12 @@ def test_a_full_queue_keeps_a_removal_for_the_next_query():
     ev_log, counts = log(queue=16, max_live=1000)
     req = request(16)
     ev_log.planned(req, range(16), 0)
-    ev_log.landed([(0, 0, h) for h in req.block_hashes])  # 16 BlockStored: the queue is full
+    ev_log.landed([(0, 0, h) for h in req.block_hashes])  # 16 blocks: the queue is full
     gone = [(0, req.block_hashes[0])]
     assert ev_log.missing(gone, "sweep", time.perf_counter()) == 0
     assert gone[0] in ev_log.live(), "a removal the queue could not take was forgotten"
     assert counts.c[("kv_events_dropped", "removed")] == 1
-    assert len(ev_log.take()) == 16
+    assert len(per_block(ev_log.take())) == 16
     assert ev_log.missing(gone, "sweep", time.perf_counter()) == 1
     assert [type(e) for e in ev_log.take()] == [BlockRemoved]
 
@@ -347,10 +382,10 @@ def test_loaded_blocks_are_announced_once_as_of_their_lookup():
     req = request(3)
     seen = time.perf_counter()
     ev_log.loaded(req, [0, 1, 2], 0, seen)
-    events = roundtrip(ev_log.take())
-    assert [e.token_ids for e in events] == [req.all_token_ids[i * BS:(i + 1) * BS]
-                                             for i in range(3)]
-    assert events[1].parent_block_hash == external_hash(req.block_hashes[0])
+    blocks = per_block(roundtrip(ev_log.take()))
+    assert [t for _, _, t, _ in blocks] == [req.all_token_ids[i * BS:(i + 1) * BS]
+                                            for i in range(3)]
+    assert blocks[1][1] == external_hash(req.block_hashes[0])
     ev_log.loaded(req, [0, 1, 2], 0, time.perf_counter())  # loaded again: no news
     assert ev_log.take() == []
     assert ev_log.missing([(0, req.block_hashes[0])], "sweep", seen) == 0
