@@ -55,6 +55,9 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 SWEEP_BATCH = 64  # blocks per /batch_query_keys request
 _MASK64 = (1 << 64) - 1
+# vLLM's extra keys of a block that has none (`to_event_extra_keys([None])`), shared: a
+# block's are only read, into its run's event.
+NO_EXTRA_KEYS = (None,)
 
 
 def vllm_clears(pool: Any) -> bool:
@@ -209,7 +212,8 @@ class StoreEventLog:
         tokens = array("q", request.all_token_ids[lo:(max(indices) + 1) * bs])
         plain = not _has_extra_keys(request)  # then only a cache salt, on block 0, has one
         return [_Block(hashes[i - 1] if i > 0 else None, tokens[i * bs - lo:(i + 1) * bs - lo],
-                       [None] if plain and i else _extra_keys(request, i * bs, (i + 1) * bs),
+                       NO_EXTRA_KEYS if plain and i else _extra_keys(request, i * bs,
+                                                                     (i + 1) * bs),
                        name) for i in indices]
 
     # -- stored
@@ -457,10 +461,10 @@ def _has_extra_keys(request: Any) -> bool:
 
 def _extra_keys(request: Any, start: int, end: int) -> Any:
     """The block's extra hash keys (LoRA, cache salt, multimodal), as vLLM's events carry them.
-    A request with none of their sources gives `[None]` for every block, known without
+    A request with none of their sources gives `NO_EXTRA_KEYS` for every block, known without
     vLLM's per-block walk (a 128K-token prompt has 8,192 blocks)."""
     if not (_has_extra_keys(request) or (start == 0 and getattr(request, "cache_salt", None))):
-        return [None]
+        return NO_EXTRA_KEYS
     try:
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
