@@ -322,9 +322,10 @@ def kv_events_row() -> Row:
         P("Store KV events published", "ops", (
             (rate(series("kv_events"), "kind, medium, locality"),
              "{{kind}} ({{medium}}, locality {{locality}})"),
-        ), "BlockStored (every TP rank's shards of a block are in the store, or this engine "
-           "found it there) and BlockRemoved (an announced block left the store) events per "
-           "second, into vLLM's KV event stream, with the medium and locality they carry: a "
+        ), "Blocks announced per second in BlockStored (every TP rank's shards of a block are "
+           "in the store, or this engine found it there; one event carries a run of a "
+           "request's blocks) and BlockRemoved (an announced block left the store) events, "
+           "into vLLM's KV event stream, with the medium and locality they carry: a "
            "router drops what it does not take (Dynamo: any locality but unset or LOCAL). "
            "Removed far below stored while the store is full: removals are missed (is the "
            "sweep on?).", min=0),
@@ -340,7 +341,8 @@ def kv_events_row() -> Row:
            "lookup missed it), live_limit (kv_events_max_live reached).", min=0),
         P("KV events dropped", "ops", (
             (rate(series("kv_events_dropped"), "kind"), "{{kind}}"),
-        ), "Events dropped because a bounded queue was full (never waited for): a router's "
+        ), "Blocks dropped from the events because a bounded queue was full (never waited "
+           "for): a router's "
            "view of the store is then incomplete; raise kv_events_queue.", min=0),
     ), collapsed=True)
 
