@@ -285,11 +285,13 @@ KEYS: tuple[Key, ...] = (
         "port (`--metrics_port`) for the sweeps", pattern=r"[^\s:/]+:[0-9]{1,5}",
         fix="the master's host:port of --metrics_port, e.g. 10.0.0.5:9003",
         shown="the host of `master_server_address`, port 9003 (Mooncake's default)"),
-    Key("kv_events_queue", "int", 10_000, "blocks the events held until vLLM takes them "
-        "(each step) may carry, and per worker the saved blocks not yet reported; beyond it "
-        "blocks are dropped from the events and counted "
-        "(`vllm:mooncake_pool_kv_events_dropped_total`)", lo=16, hi=10_000_000,
-        fix="a count of blocks, e.g. 10000"),
+    # A 128K-token prompt at block size 16 is 8,192 blocks: the default takes several such
+    # prompts' blocks in one step (it was 10,000, which dropped most of a second one's).
+    Key("kv_events_queue", "int", 65_536, "blocks the events held until vLLM takes them "
+        "(each step) may carry, the saves planned but not yet landed, and per worker the "
+        "saved blocks not yet reported; beyond it blocks are dropped from the events and "
+        "counted (`vllm:mooncake_pool_kv_events_dropped_total`)", lo=16, hi=10_000_000,
+        fix="a count of blocks, e.g. 65536"),
     Key("kv_events_max_live", "int", 65_536, "announced blocks tracked for removal; past it "
         "the oldest is announced removed (a router forgets it rather than trust a block "
         "nothing watches)", lo=16, hi=10_000_000, fix="a count of blocks, e.g. 65536"),

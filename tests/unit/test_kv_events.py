@@ -362,6 +362,26 @@ def test_a_settled_request_leaves_nothing_planned_and_no_drop_counted():
     assert ev_log.take() == []
 
 
+def test_default_bounds_hold_two_128k_token_prompts_in_one_step():
+    """At block size 16 a 128K-token prompt is 8,192 blocks. With the default bounds, two
+    such hits announced in one step, and then two such saves planned and landed together,
+    lose nothing: a router hears of every block."""
+    st = event_settings(load_config(BASE, {}), ON)
+    counts = Counts()
+    ev_log = StoreEventLog(st, 1, BS, lambda hs, g: [], 1, counts,
+                           (("full_attention", None),))
+    hits, saves = (request(8192, rid) for rid in ("a", "b")), [request(8192, r) for r in "cd"]
+    for req in hits:
+        ev_log.loaded(req, range(8192), 0, time.perf_counter())
+    assert len(per_block(ev_log.take())) == 2 * 8192
+    for req in saves:
+        ev_log.planned(req, range(8192), 0)
+    for req in saves:
+        ev_log.landed([(0, 0, h) for h in req.block_hashes])
+    assert len(per_block(ev_log.take())) == 2 * 8192
+    assert not any(k[0] == "kv_events_dropped" for k in counts.c), counts.c
+
+
 def test_a_full_queue_keeps_a_removal_for_the_next_query():
     ev_log, counts = log(queue=16, max_live=1000)
     req = request(16)
