@@ -10,9 +10,10 @@ Where each event is born:
 - The scheduler (`StoreEventLog`) announces a block once every rank has reported it: once
   per logical block at any TP size, with the tokens and parent it planned the save with. The
   blocks announced together go out as one `BlockStored` per run of a request's consecutive
-  blocks, as vLLM's own events carry a request's blocks (an event per block cost a 128K-token
-  prompt tens of ms in the scheduler's step). A block skipped because the store held it
-  already is news only if no event for it is live. vLLM takes the events each step (`take_events`).
+  blocks, as vLLM's own events carry a request's blocks (an event per block cost a long
+  prompt more than the rest of its control path in the scheduler's step:
+  docs/performance.md). A block skipped because the store held it already is news only if no
+  event for it is live. vLLM takes the events each step (`take_events`).
 - Removals: Mooncake 0.3.13's master accepts `--enable_kv_events` but its ZMQ publisher is not
   built into the wheel (its `/kv_events/status` says `enabled: false`; nothing is published on
   eviction or removal: tests/store/test_kv_events_store.py keeps checking). So a sweep thread
