@@ -316,7 +316,7 @@ class StoreEventLog:
             parent_block_hash=external_hash(first.parent) if first.parent is not None else None,
             token_ids=tokens.tolist(), block_size=self._block_size, lora_id=None,
             medium=self.settings.medium, lora_name=first.lora_name,
-            extra_keys=[k for _, b in run for k in b.extra_keys or (None,)],
+            extra_keys=[k for _, b in run for k in b.extra_keys],
             group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
             locality=self.settings.locality)
 
@@ -475,4 +475,4 @@ def _extra_keys(request: Any, start: int, end: int) -> Any:
         keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
         return to_event_extra_keys([keys])
     except Exception:  # noqa: BLE001 - a test double or another vLLM: the hash still matches
-        return None
+        return NO_EXTRA_KEYS
