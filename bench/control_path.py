@@ -47,13 +47,14 @@ and each step's figure is the median of the rounds with its range.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -251,6 +252,18 @@ def summarise(samples: dict[str, list[tuple[float, float]]], blocks: int) -> dic
     return out
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """What the collector scans, as in an engine: vLLM's EngineCore freezes its startup heap
+    (`freeze_gc_heap`), so a collection walks what was made since. Unfrozen however the block
+    ends: a bench that raised must not leave the rest of its process (a pytest worker) frozen."""
+    freeze_gc_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> dict[str, Any]:
     """Every size's steps, `rounds` rounds after a warm-up round."""
     most = max(tokens) // BLOCK
@@ -265,30 +278,27 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
         client = open_client(Testbed(master.address, master.metadata_server))
         ours, intree = Ours(master, caches, num_blocks), InTree(caches, num_blocks)
         ours.store(client, hashes)
-        # What the collector scans, as in an engine: vLLM's EngineCore freezes its startup
-        # heap (`freeze_gc_heap`), so a collection walks what was made since.
-        freeze_gc_heap()
-        others: list[float] = []
-        for rnd in range(rounds + 1):  # round 0 warms every path and is not kept
-            order = sizes[rnd % len(sizes):] + sizes[:rnd % len(sizes)]
-            ours.next_round()
-            meter = OthersMeter()
-            meter.start()
-            for n in order:
-                keys = ours.keys.all_shard_keys(hashes[:n])
-                for name, res in (("ours", ours.hit(hashes[:n], ids[:n])),
-                                  ("ours", ours.save(fresh[:n], ids[:n])),
-                                  ("in_tree", intree.run(hashes[:n], ids[:n])),
-                                  ("store", {"exist_call": timed(
-                                      lambda k=keys: client.batch_is_exist(k))[:2]})):
-                    for step, v in res.items():
-                        if rnd:
-                            samples.setdefault((name, n), {}).setdefault(step, []).append(v)
-            if rnd:
-                others.append(meter.stop())
-        ours.sched.shutdown()
-        client.close()
-        gc.unfreeze()
+        with frozen_heap():
+            others: list[float] = []
+            for rnd in range(rounds + 1):  # round 0 warms every path and is not kept
+                order = sizes[rnd % len(sizes):] + sizes[:rnd % len(sizes)]
+                ours.next_round()
+                meter = OthersMeter()
+                meter.start()
+                for n in order:
+                    keys = ours.keys.all_shard_keys(hashes[:n])
+                    for name, res in (("ours", ours.hit(hashes[:n], ids[:n])),
+                                      ("ours", ours.save(fresh[:n], ids[:n])),
+                                      ("in_tree", intree.run(hashes[:n], ids[:n])),
+                                      ("store", {"exist_call": timed(
+                                          lambda k=keys: client.batch_is_exist(k))[:2]})):
+                        for step, v in res.items():
+                            if rnd:
+                                samples.setdefault((name, n), {}).setdefault(step, []).append(v)
+                if rnd:
+                    others.append(meter.stop())
+            ours.sched.shutdown()
+            client.close()
     out: dict[str, Any] = {"sizes": []}
     for n in sizes:
         row = {"tokens": n * BLOCK, "blocks": n, "ours": summarise(samples[("ours", n)], n),
