@@ -26,7 +26,7 @@ Where each event is born:
 Bounded and never waited for: the event queue holds `kv_events_queue` blocks (vLLM drains it
 each step), each worker as many saved blocks, the planned saves and the live set are bounded
 too; what does not fit is dropped and counted (`kv_events_dropped`). Nothing here blocks a
-step or a save: workers only append to a deque, the sweep runs on its own thread.
+step or a save: workers only append to a list, the sweep runs on its own thread.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from vllm.distributed.kv_events import (
@@ -77,21 +76,29 @@ def _int_hashes() -> bool:
     return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
 
+def external_hashes(hashes: list[bytes]) -> list[Any]:
+    """Block hashes in vLLM's external form (bytes, or ints with
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), as vLLM's own events carry them: vLLM's
+    `maybe_convert_block_hash` of each, with its setting read once. Bytes are the list itself:
+    a call per block cost a long run's event more than its tokens."""
+    return [int.from_bytes(h, "big") & _MASK64 for h in hashes] if _int_hashes() else hashes
+
+
 def external_hash(h: bytes) -> Any:
-    """A block hash in vLLM's external form (bytes, or an int with
-    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), as vLLM's own events carry it: vLLM's
-    `maybe_convert_block_hash`, with its setting read once."""
-    return int.from_bytes(h, "big") & _MASK64 if _int_hashes() else h
+    """One block hash in vLLM's external form (`external_hashes`)."""
+    return external_hashes([h])[0]
 
 
 # ---- workers ---------------------------------------------------------------------------------
 class LandedShards(KVConnectorKVEvents):
-    """Worker -> scheduler, in the step's KVConnectorOutput: (tp_rank, group, block hash) of
-    each block whose shards of that rank are in the store. vLLM's aggregator adds every rank's
-    records to the first one's container; the scheduler counts ranks per block itself (a rank
-    with nothing to report sends None, so vLLM's worker count is no guide)."""
+    """Worker -> scheduler, in the step's KVConnectorOutput: a (tp_rank, group, block hashes)
+    record per save job, of the blocks whose shards of that rank are in the store. A record per
+    job, not per block: vLLM pickles each rank's output to the engine core, and a tuple per
+    block is an object per block to pickle and unpickle there. vLLM's aggregator adds every
+    rank's records to the first one's container; the scheduler counts ranks per block itself
+    (a rank with nothing to report sends None, so vLLM's worker count is no guide)."""
 
-    def __init__(self, records: Iterable[tuple[int, int, bytes]] = ()) -> None:
+    def __init__(self, records: Iterable[tuple[int, int, tuple[bytes, ...]]] = ()) -> None:
         self._records = list(records)
         self._workers = 1
 
@@ -120,17 +127,21 @@ class LandedShards(KVConnectorKVEvents):
 class WorkerLanded:
     """A worker's saved blocks, from its save jobs (`MooncakeStoreWorker.on_landed`, called
     on the save thread before the job's request can be reported done) until the step's output
-    takes them. Bounded: past `cap` records the rest are dropped and counted (kind landed)."""
+    takes them. Bounded: past `cap` blocks the rest are dropped and counted (kind landed)."""
 
     def __init__(self, tp_rank: int, cap: int, count: Callable[..., None]) -> None:
         self._rank, self._cap, self._count = tp_rank, cap, count
         self._lock = threading.Lock()
-        self._records: deque[tuple[int, int, bytes]] = deque()
+        self._records: list[tuple[int, int, tuple[bytes, ...]]] = []
+        self._blocks = 0  # the records' blocks
 
     def add(self, group: int, hashes: Sequence[bytes]) -> None:
         with self._lock:
-            room = max(0, self._cap - len(self._records))
-            self._records.extend((self._rank, group, h) for h in hashes[:room])
+            room = max(0, self._cap - self._blocks)
+            if room and hashes:
+                kept = tuple(hashes[:room])
+                self._records.append((self._rank, group, kept))
+                self._blocks += len(kept)
         if len(hashes) > room:
             self._count("kv_events_dropped", "landed", n=len(hashes) - room)
 
@@ -138,7 +149,7 @@ class WorkerLanded:
         with self._lock:
             if not self._records:
                 return None
-            records, self._records = list(self._records), deque()
+            records, self._records, self._blocks = self._records, [], 0
         return LandedShards(records)
 
 
@@ -154,11 +165,6 @@ class _Block(NamedTuple):
     lora_name: str | None
 
 
-@dataclass(slots=True)
-class _Planned:
-    block: _Block
-    req_id: str
-    ranks: int = 0  # a bit per TP rank that reported the block landed
 
 
 # The KV cache group kinds whose blocks are announced: every router indexes these. A
@@ -188,7 +194,10 @@ class StoreEventLog:
         self._spec = tuple(spec_kinds)
         self._wake = wake
         self._lock = threading.Lock()
-        self._planned: OrderedDict[tuple[int, bytes], _Planned] = OrderedDict()
+        # planned saves -> [the block, its request id, a bit per TP rank that reported it
+        # landed]: a list, made per block of a save where a class's init cost more than it
+        self._planned: OrderedDict[tuple[int, bytes], list[Any]] = OrderedDict()
+        self._everyone = (1 << tp_size) - 1  # the ranks bits of a block every rank reported
         # announced blocks -> (when the store was last seen holding it, what was announced)
         self._live: OrderedDict[tuple[int, bytes], tuple[float, _Block]] = OrderedDict()
         self._queue: deque[tuple[str, KVCacheEvent]] = deque()
@@ -224,12 +233,13 @@ class StoreEventLog:
         if not self._announced(group):
             return
         rid, hashes = request.request_id, request.block_hashes
-        entries = [((group, hashes[i]), _Planned(b, rid))
+        entries = [((group, hashes[i]), [b, rid, 0])
                    for i, b in zip(indices, self._blocks(request, indices), strict=True)]
         with self._lock:
-            for key, p in entries:
-                self._planned.pop(key, None)
-                self._planned[key] = p
+            planned = self._planned
+            for key in [key for key, _ in entries if key in planned]:
+                del planned[key]  # planned again: a fresh attempt, last in line
+            planned.update(entries)
             while len(self._planned) > self.settings.queue:
                 self._planned.popitem(last=False)
                 self._count("kv_events_dropped", "stored")
@@ -238,24 +248,27 @@ class StoreEventLog:
         """Every rank finished `req_id`'s saves: its blocks that not every rank reported were
         not stored (each failure is counted in save_error_keys), and are never announced."""
         with self._lock:
-            for key in [k for k, p in self._planned.items() if p.req_id == req_id]:
+            for key in [k for k, p in self._planned.items() if p[1] == req_id]:
                 del self._planned[key]
 
-    def landed(self, records: Iterable[tuple[int, int, bytes]]) -> None:
-        """Workers' reports: a block whose every rank reported is stored."""
+    def landed(self, records: Iterable[tuple[int, int, Sequence[bytes]]]) -> None:
+        """Workers' reports, (rank, group, block hashes) each: a block whose every rank
+        reported is stored."""
         now = time.perf_counter()
+        planned, everyone = self._planned, self._everyone
         with self._lock:
             stored = []
-            for rank, group, h in records:
-                key = (group, h)
-                p = self._planned.get(key)
-                if p is None:
-                    continue  # announced already (a repeat), settled, or dropped above
-                p.ranks |= 1 << rank
-                if p.ranks.bit_count() < self._tp_size:
-                    continue
-                del self._planned[key]
-                stored.append((key, p.block))
+            for rank, group, hashes in records:
+                bit = 1 << rank
+                for h in hashes:
+                    key = (group, h)
+                    p = planned.get(key)
+                    if p is None:
+                        continue  # announced already (a repeat), settled, or dropped above
+                    p[2] |= bit
+                    if p[2] == everyone:
+                        del planned[key]
+                        stored.append((key, p[0]))
             self._announce(stored, now)
 
     def loaded(self, request: Any, indices: Sequence[int], group: int, seen: float) -> None:
@@ -287,15 +300,11 @@ class StoreEventLog:
         if len(new) > room:
             self._count("kv_events_dropped", "stored", n=len(new) - room)
             del new[room:]
-        for key, block in new:
-            live[key] = (seen, block)
+        live.update((key, (seen, block)) for key, block in new)
         start = 0
-        for i in range(1, len(new) + 1):  # a run ends where the next block is not its child
-            if i == len(new) or new[i][0][0] != new[i - 1][0][0] \
-                    or new[i][1].parent != new[i - 1][0][1] \
-                    or new[i][1].lora_name != new[i - 1][1].lora_name:
-                self._push("stored", self._stored_event(new[start:i]), i - start)
-                start = i
+        for end in _run_ends(new):
+            self._push("stored", self._stored_event(new[start:end]), end - start)
+            start = end
         self._trim()
 
     def _trim(self) -> None:
@@ -312,7 +321,7 @@ class StoreEventLog:
         for _, b in run:
             tokens.extend(b.token_ids)
         return BlockStored(
-            block_hashes=[external_hash(key[1]) for key, _ in run],
+            block_hashes=external_hashes([key[1] for key, _ in run]),
             parent_block_hash=external_hash(first.parent) if first.parent is not None else None,
             token_ids=tokens.tolist(), block_size=self._block_size, lora_id=None,
             medium=self.settings.medium, lora_name=first.lora_name,
@@ -451,6 +460,23 @@ class StoreEventLog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _run_ends(blocks: list[tuple[tuple[int, bytes], _Block]]) -> list[int]:
+    """Where each run of `blocks` ends (exclusive): a run ends where the next block is not its
+    child (another group, parent, or LoRA adapter). A hit's or a save's blocks are one run, found
+    by comparing whole lists; only blocks of several requests go block by block."""
+    n = len(blocks)
+    if n < 2:
+        return [n] if n else []
+    keys = [key for key, _ in blocks]
+    if [b.parent for _, b in blocks[1:]] == [h for _, h in keys[:-1]] \
+            and len({g for g, _ in keys}) == 1 and len({b.lora_name for _, b in blocks}) == 1:
+        return [n]
+    ends = [i for i in range(1, n) if keys[i][0] != keys[i - 1][0]
+            or blocks[i][1].parent != keys[i - 1][1]
+            or blocks[i][1].lora_name != blocks[i - 1][1].lora_name]
+    return [*ends, n]
 
 
 def _has_extra_keys(request: Any) -> bool:

@@ -88,7 +88,7 @@ def announce(log: StoreEventLog, client, sched, req) -> list[str]:
     keys = sched._keys.all_shard_keys(req.block_hashes, 0)
     assert put(client, keys) == [0] * len(keys)
     log.planned(req, range(len(req.block_hashes)), 0)
-    log.landed([(0, 0, h) for h in req.block_hashes])
+    log.landed([(0, 0, tuple(req.block_hashes))])
     (ev,) = log.take()  # the request's blocks: one run
     assert ev.block_hashes == [external_hash(h) for h in req.block_hashes]
     return keys

@@ -22,6 +22,7 @@ from connector.observability.kv_events import (
     StoreEventLog,
     WorkerLanded,
     external_hash,
+    external_hashes,
     vllm_clears,
 )
 from connector.scheduler.engine_wakeup import EngineWakeup
@@ -83,7 +84,7 @@ def test_block_stored_in_vllms_schema():
     ev_log, counts = log()
     req = request(3)
     ev_log.planned(req, [0, 1, 2], 0)
-    ev_log.landed([(0, 0, h) for h in req.block_hashes])
+    ev_log.landed([(0, 0, tuple(req.block_hashes))])
     events = roundtrip(ev_log.take())
     # One event for the request's run of blocks, as vLLM's own events carry a request's.
     (e,) = events
@@ -108,7 +109,7 @@ def test_a_run_ends_at_a_gap_or_another_request():
     a, b = request(4, "a"), request(2, "b")
     ev_log.planned(a, [0, 1, 3], 0)
     ev_log.planned(b, [0, 1], 0)
-    ev_log.landed([(0, 0, h) for h in (*a.block_hashes, *b.block_hashes)])
+    ev_log.landed([(0, 0, (*a.block_hashes, *b.block_hashes))])
     events = roundtrip(ev_log.take())
     assert [e.block_hashes for e in events] == [
         [external_hash(h) for h in a.block_hashes[:2]], [external_hash(a.block_hashes[3])],
@@ -137,6 +138,8 @@ def test_hashes_and_extra_keys_are_vllms_own(monkeypatch, as_int):
         h = bytes(range(32))
         assert external_hash(h) == maybe_convert_block_hash(h)
         assert type(external_hash(h)) is (int if as_int == "1" else bytes)
+        assert external_hashes([h, h[::-1]]) == [maybe_convert_block_hash(h),
+                                                 maybe_convert_block_hash(h[::-1])]
     finally:
         monkeypatch.undo()
         kv_events._int_hashes.cache_clear()
@@ -157,13 +160,13 @@ def test_tp2_one_event_per_block_once_every_rank_landed():
     req = request(2)
     ev_log.planned(req, [0, 1], 0)
     # Rank 0 lands both in one step, rank 1 only block 0: block 1 is not stored yet.
-    out = LandedShards([(0, 0, h) for h in req.block_hashes])
-    out.add_events(LandedShards([(1, 0, req.block_hashes[0])]).get_all_events())
+    out = LandedShards([(0, 0, tuple(req.block_hashes))])
+    out.add_events(LandedShards([(1, 0, (req.block_hashes[0],))]).get_all_events())
     ev_log.landed(out.get_all_events())
     assert [e.block_hashes for e in ev_log.take()] == [[external_hash(req.block_hashes[0])]]
-    ev_log.landed([(0, 0, req.block_hashes[1])])  # a rank reporting twice is still one rank
+    ev_log.landed([(0, 0, (req.block_hashes[1],))])  # a rank reporting twice is still one rank
     assert ev_log.take() == []
-    ev_log.landed([(1, 0, req.block_hashes[1])])  # a later step: now every rank has it
+    ev_log.landed([(1, 0, (req.block_hashes[1],))])  # a later step: now every rank has it
     assert [e.block_hashes for e in ev_log.take()] == [[external_hash(req.block_hashes[1])]]
 
 
@@ -171,15 +174,15 @@ def test_skipped_block_is_news_only_if_not_live():
     ev_log, _ = log()
     a, b = request(2, "a"), request(2, "a")  # b repeats a's prefix: its save finds it stored
     ev_log.planned(a, [0, 1], 0)
-    ev_log.landed([(0, 0, h) for h in a.block_hashes])
+    ev_log.landed([(0, 0, tuple(a.block_hashes))])
     assert len(per_block(ev_log.take())) == 2
     ev_log.planned(b, [0, 1], 0)
-    ev_log.landed([(0, 0, h) for h in b.block_hashes])
+    ev_log.landed([(0, 0, tuple(b.block_hashes))])
     assert ev_log.take() == []
     # Once announced removed, a save that finds it stored again (re-written) is news.
     assert ev_log.missing([(0, a.block_hashes[0])], "lookup", time.perf_counter() + 1) == 1
     ev_log.planned(b, [0], 0)
-    ev_log.landed([(0, 0, b.block_hashes[0])])
+    ev_log.landed([(0, 0, (b.block_hashes[0],))])
     assert [type(e) for e in ev_log.take()] == [BlockRemoved, BlockStored]
 
 
@@ -188,7 +191,7 @@ def test_removed_only_for_blocks_announced_before_the_query():
     req = request(2)
     ev_log.planned(req, [0], 0)
     t_query = time.perf_counter()  # a lookup probed before block 0 was announced
-    ev_log.landed([(0, 0, req.block_hashes[0])])
+    ev_log.landed([(0, 0, (req.block_hashes[0],))])
     ev_log.take()
     assert ev_log.missing([(0, req.block_hashes[0])], "lookup", t_query) == 0
     assert ev_log.missing([(0, req.block_hashes[1])], "sweep", time.perf_counter()) == 0
@@ -203,7 +206,7 @@ def test_removed_only_for_blocks_announced_before_the_query():
 
 def test_unplanned_reports_make_no_event():
     ev_log, _ = log()
-    ev_log.landed([(0, 0, b"x" * 32)])
+    ev_log.landed([(0, 0, (b"x" * 32,))])
     assert ev_log.take() == [] and ev_log.live() == []
 
 
@@ -213,14 +216,14 @@ def test_queue_bound_drops_and_counts_and_never_announces_a_dropped_block():
     ev_log.planned(req, range(16), 0)  # planned holds at most `queue` entries too
     ev_log.planned(req, range(16, 20), 0)
     assert counts.c[("kv_events_dropped", "stored")] == 4
-    ev_log.landed([(0, 0, h) for h in req.block_hashes])
+    ev_log.landed([(0, 0, tuple(req.block_hashes))])
     assert len(per_block(ev_log.take())) == 16
     # A full event queue: the stored events that do not fit are dropped, not made live.
     more = request(20, "bb")
     ev_log.planned(more, range(16), 0)
-    ev_log.landed([(0, 0, h) for h in more.block_hashes[:16]])
+    ev_log.landed([(0, 0, tuple(more.block_hashes[:16]))])
     ev_log.planned(more, range(16, 20), 0)
-    ev_log.landed([(0, 0, h) for h in more.block_hashes[16:]])
+    ev_log.landed([(0, 0, tuple(more.block_hashes[16:]))])
     assert counts.c[("kv_events_dropped", "stored")] == 8
     assert len(per_block(ev_log.take())) == 16
     live = set(ev_log.live())
@@ -231,7 +234,7 @@ def test_live_limit_withdraws_the_oldest():
     ev_log, counts = log(max_live=16, queue=100)
     req = request(20)
     ev_log.planned(req, range(20), 0)
-    ev_log.landed([(0, 0, h) for h in req.block_hashes])
+    ev_log.landed([(0, 0, tuple(req.block_hashes))])
     events = ev_log.take()
     removed = [e.block_hashes[0] for e in events if isinstance(e, BlockRemoved)]
     assert removed == [external_hash(h) for h in req.block_hashes[:4]]
@@ -245,10 +248,14 @@ def test_worker_records_are_bounded():
     assert w.take() is None
     w.add(0, [bytes([i]) * 32 for i in range(10)])
     w.add(1, [bytes([i]) * 32 for i in range(10)])
+    w.add(0, [b"late" * 8])  # no room left: dropped whole
     out = w.take()
-    assert len(out.get_all_events()) == 16 and out.get_all_events()[0] == (1, 0, bytes(32))
-    assert counts.c[("kv_events_dropped", "landed")] == 4
+    hashes = [bytes([i]) * 32 for i in range(10)]
+    assert out.get_all_events() == [(1, 0, tuple(hashes)), (1, 1, tuple(hashes[:6]))]
+    assert counts.c[("kv_events_dropped", "landed")] == 5
     assert w.take() is None
+    w.add(0, hashes[:1])  # taken: room again
+    assert w.take().get_all_events() == [(1, 0, tuple(hashes[:1]))]
 
 
 def test_worker_landed_needs_every_shard_of_the_rank():
@@ -342,11 +349,11 @@ def test_a_new_save_attempt_counts_its_ranks_afresh():
     ev_log, _ = log(tp=2)
     req = request(1)
     ev_log.planned(req, [0], 0)
-    ev_log.landed([(0, 0, req.block_hashes[0])])  # rank 1's put failed
+    ev_log.landed([(0, 0, (req.block_hashes[0],))])  # rank 1's put failed
     ev_log.planned(req, [0], 0)  # the next turn saves it again
-    ev_log.landed([(1, 0, req.block_hashes[0])])
+    ev_log.landed([(1, 0, (req.block_hashes[0],))])
     assert ev_log.take() == []
-    ev_log.landed([(0, 0, req.block_hashes[0])])
+    ev_log.landed([(0, 0, (req.block_hashes[0],))])
     assert len(ev_log.take()) == 1
 
 
@@ -354,11 +361,11 @@ def test_a_settled_request_leaves_nothing_planned_and_no_drop_counted():
     ev_log, counts = log(tp=2, queue=16)
     req = request(4)
     ev_log.planned(req, range(4), 0)
-    ev_log.landed([(0, 0, h) for h in req.block_hashes])  # rank 1 failed every put
+    ev_log.landed([(0, 0, tuple(req.block_hashes))])  # rank 1 failed every put
     ev_log.settled("r")  # every rank finished its saves
     ev_log.planned(request(16, "bb"), range(16), 0)  # planned at its bound, not past it
     assert counts.c[("kv_events_dropped", "stored")] == 0
-    ev_log.landed([(1, 0, h) for h in req.block_hashes])  # a late report: nothing planned
+    ev_log.landed([(1, 0, tuple(req.block_hashes))])  # a late report: nothing planned
     assert ev_log.take() == []
 
 
@@ -377,7 +384,7 @@ def test_default_bounds_hold_two_128k_token_prompts_in_one_step():
     for req in saves:
         ev_log.planned(req, range(8192), 0)
     for req in saves:
-        ev_log.landed([(0, 0, h) for h in req.block_hashes])
+        ev_log.landed([(0, 0, tuple(req.block_hashes))])
     assert len(per_block(ev_log.take())) == 2 * 8192
     assert not any(k[0] == "kv_events_dropped" for k in counts.c), counts.c
 
@@ -386,7 +393,7 @@ def test_a_full_queue_keeps_a_removal_for_the_next_query():
     ev_log, counts = log(queue=16, max_live=1000)
     req = request(16)
     ev_log.planned(req, range(16), 0)
-    ev_log.landed([(0, 0, h) for h in req.block_hashes])  # 16 blocks: the queue is full
+    ev_log.landed([(0, 0, tuple(req.block_hashes))])  # 16 blocks: the queue is full
     gone = [(0, req.block_hashes[0])]
     assert ev_log.missing(gone, "sweep", time.perf_counter()) == 0
     assert gone[0] in ev_log.live(), "a removal the queue could not take was forgotten"
@@ -421,7 +428,7 @@ def test_after_a_cache_reset_every_live_block_is_announced_again_a_queue_at_a_ti
     req = request(20)
     for part in (range(16), range(16, 20)):
         ev_log.planned(req, part, 0)
-        ev_log.landed([(0, 0, req.block_hashes[i]) for i in part])
+        ev_log.landed([(0, 0, tuple(req.block_hashes[i] for i in part))])
         assert ev_log.take()
     ev_log.counted()
     assert not ev_log.pending()
@@ -442,7 +449,7 @@ def test_sliding_window_groups_are_not_announced():
     req = request(3)
     ev_log.planned(req, range(3), 0)
     ev_log.planned(req, [1, 2], 1)
-    ev_log.landed([(0, g, h) for g in (0, 1) for h in req.block_hashes])
+    ev_log.landed([(0, g, tuple(req.block_hashes)) for g in (0, 1)])
     ev_log.loaded(req, [2], 1, time.perf_counter())
     assert {e.group_idx for e in ev_log.take()} == {0}
     assert all(g == 0 for g, _ in ev_log.live())
@@ -453,7 +460,7 @@ def test_removals_wake_the_engine_and_wait_as_pending():
     ev_log, _ = log(wake=lambda: wakes.append(1))
     req = request(2)
     ev_log.planned(req, [0, 1], 0)
-    ev_log.landed([(0, 0, h) for h in req.block_hashes])
+    ev_log.landed([(0, 0, tuple(req.block_hashes))])
     ev_log.take()
     assert ev_log.missing([(0, req.block_hashes[1])], "lookup", time.perf_counter() + 1) == 1
     assert wakes == [1] and ev_log.pending()
