@@ -165,8 +165,6 @@ class _Block(NamedTuple):
     lora_name: str | None
 
 
-
-
 # The KV cache group kinds whose blocks are announced: every router indexes these. A
 # sliding-window group's blocks are not: its store blocks serve only beside the full group's,
 # and a router that keys a store block by hash alone would let the window's removals (it keeps
@@ -195,7 +193,7 @@ class StoreEventLog:
         self._wake = wake
         self._lock = threading.Lock()
         # planned saves -> [the block, its request id, a bit per TP rank that reported it
-        # landed]: a list, made per block of a save where a class's init cost more than it
+        # landed]: a list, made per block of a save, where a class's init cost more than it
         self._planned: OrderedDict[tuple[int, bytes], list[Any]] = OrderedDict()
         self._everyone = (1 << tp_size) - 1  # the ranks bits of a block every rank reported
         # announced blocks -> (when the store was last seen holding it, what was announced)
