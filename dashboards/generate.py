@@ -434,7 +434,7 @@ ERRORS_AND_STORE = Dash(
                 (rate(series("save_error_keys")), "failed"),
             ), "Keys written to the store per second, keys not written because the store "
                "already holds them, and keys a failed or dropped save never wrote (they miss "
-               "later)."),
+               "later; alert MooncakePoolSavesFailing past a fifth of the keys)."),
             P("Save put latency", "s", p50_p99("save_put_seconds", "tp_rank", "rank {{tp_rank}}"),
               "Store put of a save job's new blocks."),
             P("Save wait for KV ready", "s",

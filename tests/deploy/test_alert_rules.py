@@ -32,6 +32,7 @@ EXPECTED_ALERTS = {
     "MooncakePoolNoSuccessfulStoreOps",
     "MooncakePoolMasterUnreachable",
     "MooncakePoolStoreCallsStuck",
+    "MooncakePoolSavesFailing",
     "MooncakePoolKvEventSweepFailing",
     "MooncakePoolTenantPutsRefused",
     "MooncakeMasterNoServingLeader",
