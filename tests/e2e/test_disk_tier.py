@@ -51,7 +51,11 @@ PROMPTS = [[_rng.randrange(3, 1000) for _ in range(BLOCKS * BLOCK_SIZE + 5)] for
 assert len({tuple(p[:BLOCK_SIZE]) for p in PROMPTS}) == len(PROMPTS), "prompts share a block"
 LOOKED_UP = len(PROMPTS) * BLOCKS * BLOCK_SIZE  # tokens the second pass looks up
 FILL_ROUND = 8  # prompts per round of the disk-tier fill: 64 blocks, half the memory
-LEASE = ("--default_kv_lease_ttl=500",)
+# Leases of 0.5 s (module docstring); and a minute, not Mooncake's 10 s, before the master
+# drops a client whose heartbeats stop and unmounts its segment with every block on it: a
+# master stalled 10 s on a starved host did that to a live store node (tests/e2e/test_cross_tp.py,
+# patient_master), and this test is about the tier, not heartbeats.
+MASTER_ARGS = ("--default_kv_lease_ttl=500", "--client_ttl=60")
 TOP_UPS = 2  # times a fill round the store refused puts of is served again (fill)
 
 
@@ -169,7 +173,7 @@ def run(model, master: MooncakeMaster, offload: bool, prom_dir=None) -> Run:
 
 
 def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(deep_model, tmp_path):
-    m = MooncakeMaster(offload=True, extra_args=LEASE).start()
+    m = MooncakeMaster(offload=True, extra_args=MASTER_ARGS).start()
     try:
         node = StoreNode(m, segment_size=SEGMENT, offload_path=str(tmp_path / "offload")).start()
         try:
@@ -178,7 +182,7 @@ def test_evicted_blocks_hit_from_disk_where_memory_alone_misses(deep_model, tmp_
             node.stop()
     finally:
         m.stop()
-    plain = MooncakeMaster(extra_args=LEASE).start()
+    plain = MooncakeMaster(extra_args=MASTER_ARGS).start()
     try:
         node = StoreNode(plain, segment_size=SEGMENT).start()
         try:
