@@ -342,6 +342,23 @@ def test_unknown_events_key_is_one_line_naming_it(key):
     assert f"'{key}'" in msg and "unknown key" in msg and "\n" not in msg, msg
 
 
+def test_the_ranks_records_of_one_job_are_merged_and_a_part_still_waits():
+    """vLLM hands the scheduler every rank's records of a step together; the records of one
+    save job are merged (a lookup per block, not per rank and block). A job one rank reported
+    only in part announces that part, in one run per request."""
+    ev_log, _ = log(tp=2)
+    a, b = request(4), request(3, "bb")
+    ev_log.planned(a, range(4), 0)
+    ev_log.planned(b, range(3), 0)
+    ev_log.landed([(0, 0, tuple(a.block_hashes)), (0, 0, tuple(b.block_hashes)),
+                   (1, 0, tuple(a.block_hashes)), (1, 0, tuple(b.block_hashes[:2]))])
+    assert [e.block_hashes for e in ev_log.take()] == [
+        [external_hash(h) for h in a.block_hashes],
+        [external_hash(h) for h in b.block_hashes[:2]]]
+    ev_log.landed([(1, 0, (b.block_hashes[2],))])
+    assert [e.block_hashes for e in ev_log.take()] == [[external_hash(b.block_hashes[2])]]
+
+
 def test_a_new_save_attempt_counts_its_ranks_afresh():
     """A block whose first save landed on rank 0 only is saved again: only the new attempt's
     reports count (rank 0's shard of the first may be gone since), so rank 1 landing alone
