@@ -467,19 +467,13 @@ class StoreEventLog:
 
 def _run_ends(blocks: list[tuple[tuple[int, bytes], _Block]]) -> list[int]:
     """Where each run of `blocks` ends (exclusive): a run ends where the next block is not its
-    child (another group, parent, or LoRA adapter). A hit's or a save's blocks are one run, found
-    by comparing whole lists; only blocks of several requests go block by block."""
-    n = len(blocks)
-    if n < 2:
-        return [n] if n else []
-    keys = [key for key, _ in blocks]
-    if [b.parent for _, b in blocks[1:]] == [h for _, h in keys[:-1]] \
-            and len({g for g, _ in keys}) == 1 and len({b.lora_name for _, b in blocks}) == 1:
-        return [n]
-    ends = [i for i in range(1, n) if keys[i][0] != keys[i - 1][0]
-            or blocks[i][1].parent != keys[i - 1][1]
+    child (another group, parent, or LoRA adapter)."""
+    if not blocks:
+        return []
+    ends = [i for i in range(1, len(blocks)) if blocks[i][0][0] != blocks[i - 1][0][0]
+            or blocks[i][1].parent != blocks[i - 1][0][1]
             or blocks[i][1].lora_name != blocks[i - 1][1].lora_name]
-    return [*ends, n]
+    return [*ends, len(blocks)]
 
 
 def _has_extra_keys(request: Any) -> bool:
