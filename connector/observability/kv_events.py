@@ -238,8 +238,8 @@ class StoreEventLog:
             for key in [key for key, _ in entries if key in planned]:
                 del planned[key]  # planned again: a fresh attempt, last in line
             planned.update(entries)
-            while len(self._planned) > self.settings.queue:
-                self._planned.popitem(last=False)
+            while len(planned) > self.settings.queue:
+                planned.popitem(last=False)
                 self._count("kv_events_dropped", "stored")
 
     def settled(self, req_id: str) -> None:
