@@ -32,14 +32,15 @@ step or a save: workers only append to a list, the sweep runs on its own thread.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -55,9 +56,6 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 SWEEP_BATCH = 64  # blocks per /batch_query_keys request
 _MASK64 = (1 << 64) - 1
-# vLLM's extra keys of a block that has none (`to_event_extra_keys([None])`), shared: a
-# block's are only read, into its run's event.
-NO_EXTRA_KEYS = (None,)
 
 
 def vllm_clears(pool: Any) -> bool:
@@ -79,9 +77,17 @@ def _int_hashes() -> bool:
 def external_hashes(hashes: list[bytes]) -> list[Any]:
     """Block hashes in vLLM's external form (bytes, or ints with
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), as vLLM's own events carry them: vLLM's
-    `maybe_convert_block_hash` of each, with its setting read once. Bytes are the list itself:
-    a call per block cost a long run's event more than its tokens."""
-    return [int.from_bytes(h, "big") & _MASK64 for h in hashes] if _int_hashes() else hashes
+    `maybe_convert_block_hash` of each (the low 64 bits, big-endian), with its setting read
+    once. Bytes are the list itself: a call per block cost a long run's event more than its
+    tokens. Hashes of one width of 8 bytes or more (vLLM's are 32) are converted together:
+    a third of a conversion per hash at 8,192 blocks."""
+    if not _int_hashes():
+        return hashes
+    width = len(hashes[0]) if hashes else 0
+    if width < 8 or len(set(map(len, hashes))) > 1:
+        return [int.from_bytes(h, "big") & _MASK64 for h in hashes]
+    rows = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(len(hashes), width)
+    return np.ascontiguousarray(rows[:, width - 8:]).view(">u8").ravel().tolist()
 
 
 def external_hash(h: bytes) -> Any:
@@ -154,15 +160,75 @@ class WorkerLanded:
 
 
 # ---- scheduler -------------------------------------------------------------------------------
-class _Block(NamedTuple):
-    """What a `BlockStored` says of a block, kept while it is announced so it can be said again
-    (after vLLM's `AllBlocksCleared`): the tokens as a compact array. A tuple: made for every
-    block of a save or load, where a frozen dataclass's init cost more than the rest."""
+class _Run:
+    """Consecutive blocks of one request in one group, as a `BlockStored` says them: their
+    hashes, the parent of the first, their tokens and extra keys, each a slice taken once.
+    Every block of a save or load refers to its run by position, so a block costs a reference,
+    not objects of its own (a 128K-token prompt has 8,192 blocks). `live` counts the live
+    blocks that refer to it: a run most of whose blocks left the live set is cut down to those
+    left (`StoreEventLog._unlive`), so what a live block keeps stays bounded."""
 
-    parent: bytes | None
-    token_ids: array
-    extra_keys: Any
-    lora_name: str | None
+    __slots__ = ("group", "rid", "hashes", "parent", "tokens", "extra_keys", "lora_name",
+                 "live", "_positions")
+
+    def __init__(self, group: int, rid: str, hashes: list[bytes], parent: bytes | None,
+                 tokens: list[int], extra_keys: list[Any], lora_name: str | None) -> None:
+        self.group, self.rid, self.hashes, self.parent = group, rid, hashes, parent
+        self.tokens, self.extra_keys, self.lora_name = tokens, extra_keys, lora_name
+        self.live = 0
+        self._positions: dict[bytes, int] | None = None
+
+    def part(self, lo: int, hi: int, block_size: int) -> _Run:
+        """Its blocks `lo` to `hi` (positions) as a run of their own."""
+        return _Run(self.group, self.rid, self.hashes[lo:hi], self.parent_of(lo),
+                    self.tokens[lo * block_size:hi * block_size], self.extra_keys[lo:hi],
+                    self.lora_name)
+
+    def parent_of(self, i: int) -> bytes | None:
+        return self.hashes[i - 1] if i else self.parent
+
+    def position(self, h: bytes) -> int:
+        """Where block `h` is in the run (an index made on first use: only an announcement
+        repeated after a cache reset asks)."""
+        if self._positions is None:
+            self._positions = {b: i for i, b in enumerate(self.hashes)}
+        return self._positions[h]
+
+
+def _runs_of(request: Any, indices: Sequence[int], group: int, block_size: int
+             ) -> list[tuple[tuple[int, bytes], _Run, int]]:
+    """Blocks `indices` (ascending) of `request`, each as (key, its run, its position there):
+    a run per stretch of consecutive indices, so that a run holds no block it was not made
+    for."""
+    hashes, tokens = request.block_hashes, request.all_token_ids
+    lora = getattr(request, "lora_request", None)
+    name, rid = (lora.name if lora else None), request.request_id
+    plain = not _has_extra_keys(request)  # then only a cache salt, on block 0, has any
+    out: list[tuple[tuple[int, bytes], _Run, int]] = []
+    for lo, hi in _stretches(indices):
+        extra: list[Any] = [None] * (hi - lo) if plain else [
+            _extra_keys(request, i * block_size, (i + 1) * block_size) for i in range(lo, hi)]
+        if plain and lo == 0:
+            extra[0] = _extra_keys(request, 0, block_size)
+        run = _Run(group, rid, hashes[lo:hi], hashes[lo - 1] if lo else None,
+                   tokens[lo * block_size:hi * block_size], extra, name)
+        out += [((group, hashes[i]), run, i - lo) for i in range(lo, hi)]
+    return out
+
+
+def _stretches(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """`(first, end)` of each stretch of consecutive values of `indices` (ascending)."""
+    n = len(indices)
+    if n == 0:
+        return []
+    if indices[-1] - indices[0] == n - 1:  # ascending and distinct: a gap would widen it
+        return [(indices[0], indices[-1] + 1)]
+    cuts = [0, *(k for k in range(1, n) if indices[k] != indices[k - 1] + 1), n]
+    return [(indices[a], indices[b - 1] + 1) for a, b in itertools.pairwise(cuts)]
+
+
+# A block in flight to an event: ((group, hash), its run, its position in the run).
+_Placed = tuple[tuple[int, bytes], _Run, int]
 
 
 # The KV cache group kinds whose blocks are announced: every router indexes these. A
@@ -192,12 +258,13 @@ class StoreEventLog:
         self._spec = tuple(spec_kinds)
         self._wake = wake
         self._lock = threading.Lock()
-        # planned saves -> [the block, its request id, a bit per TP rank that reported it
-        # landed]: a list, made per block of a save, where a class's init cost more than it
-        self._planned: OrderedDict[tuple[int, bytes], list[Any]] = OrderedDict()
+        # planned saves -> (the block's run, its position there, a bit per TP rank that
+        # reported it landed)
+        self._planned: OrderedDict[tuple[int, bytes], tuple[_Run, int, int]] = OrderedDict()
         self._everyone = (1 << tp_size) - 1  # the ranks bits of a block every rank reported
-        # announced blocks -> (when the store was last seen holding it, what was announced)
-        self._live: OrderedDict[tuple[int, bytes], tuple[float, _Block]] = OrderedDict()
+        # announced blocks -> (when the store was last seen holding it, the run it was
+        # announced from: one tuple per run announced together, shared by its blocks)
+        self._live: OrderedDict[tuple[int, bytes], tuple[float, _Run]] = OrderedDict()
         self._queue: deque[tuple[str, KVCacheEvent]] = deque()
         self._queued_blocks = 0  # blocks the queued events carry (bounded by settings.queue)
         self._repeat: deque[tuple[int, bytes]] = deque()  # live blocks to announce again
@@ -210,29 +277,15 @@ class StoreEventLog:
         kind = self._spec[group][0] if group < len(self._spec) else None
         return kind in ANNOUNCED_KINDS
 
-    def _blocks(self, request: Any, indices: Sequence[int]) -> list[_Block]:
-        """The `_Block`s of blocks `indices` of `request`: its tokens made an array once, each
-        block's a slice of it."""
-        if not indices:
-            return []
-        bs, lora = self._block_size, getattr(request, "lora_request", None)
-        lo, hashes, name = min(indices) * bs, request.block_hashes, lora.name if lora else None
-        tokens = array("q", request.all_token_ids[lo:(max(indices) + 1) * bs])
-        plain = not _has_extra_keys(request)  # then only a cache salt, on block 0, has one
-        return [_Block(hashes[i - 1] if i > 0 else None, tokens[i * bs - lo:(i + 1) * bs - lo],
-                       NO_EXTRA_KEYS if plain and i else _extra_keys(request, i * bs,
-                                                                     (i + 1) * bs),
-                       name) for i in indices]
-
     # -- stored
     def planned(self, request: Any, indices: Sequence[int], group: int) -> None:
-        """A save of blocks `indices` of `request` (group `group`) goes to the workers: a new
-        attempt, whose ranks report afresh (an earlier attempt's ranks may have lost theirs)."""
-        if not self._announced(group):
+        """A save of blocks `indices` (ascending) of `request` (group `group`) goes to the
+        workers: a new attempt, whose ranks report afresh (an earlier attempt's ranks may have
+        lost theirs)."""
+        if not self._announced(group) or not indices:
             return
-        rid, hashes = request.request_id, request.block_hashes
-        entries = [((group, hashes[i]), [b, rid, 0])
-                   for i, b in zip(indices, self._blocks(request, indices), strict=True)]
+        entries = [(key, (run, i, 0))
+                   for key, run, i in _runs_of(request, indices, group, self._block_size)]
         with self._lock:
             planned = self._planned
             for key in [key for key, _ in entries if key in planned]:
@@ -246,7 +299,7 @@ class StoreEventLog:
         """Every rank finished `req_id`'s saves: its blocks that not every rank reported were
         not stored (each failure is counted in save_error_keys), and are never announced."""
         with self._lock:
-            for key in [k for k, p in self._planned.items() if p[1] == req_id]:
+            for key in [k for k, p in self._planned.items() if p[0].rid == req_id]:
                 del self._planned[key]
 
     def landed(self, records: Iterable[tuple[int, int, Sequence[bytes]]]) -> None:
@@ -261,75 +314,122 @@ class StoreEventLog:
             jobs[job] = jobs.get(job, 0) | 1 << rank
         planned, everyone = self._planned, self._everyone
         with self._lock:
-            stored = []
+            stored: list[_Placed] = []
             for (group, hashes), ranks in jobs.items():
                 for h in hashes:
                     key = (group, h)
                     p = planned.get(key)
                     if p is None:
                         continue  # announced already (a repeat), settled, or dropped above
-                    p[2] |= ranks
-                    if p[2] == everyone:
+                    if p[2] | ranks == everyone:
                         del planned[key]
-                        stored.append((key, p[0]))
+                        stored.append((key, p[0], p[1]))
+                    else:  # some ranks still to report: wait, in the same place in line
+                        planned[key] = (p[0], p[1], p[2] | ranks)
             self._announce(stored, now)
 
     def loaded(self, request: Any, indices: Sequence[int], group: int, seen: float) -> None:
-        """This engine loads blocks `indices` of `request`, which a lookup started at `seen`
-        (perf_counter) found stored: the store holds them for this engine too."""
+        """This engine loads blocks `indices` (ascending) of `request`, which a lookup started
+        at `seen` (perf_counter) found stored: the store holds them for this engine too (news
+        for those not live, and a later sighting of those that are)."""
         if not self._announced(group):
             return
-        hashes = request.block_hashes
+        keys = [(group, request.block_hashes[i]) for i in indices]
         with self._lock:
-            new = [i for i in indices if (group, hashes[i]) not in self._live]
-        blocks = self._blocks(request, new)  # outside the lock: the sweep thread takes it
-        with self._lock:
-            self._announce([((group, hashes[i]), b) for i, b in zip(new, blocks, strict=True)],
-                           seen)
+            live = self._live
+            new = [i for i, key in zip(indices, keys, strict=True) if key not in live]
+            if len(new) < len(keys):
+                self._confirm([key for key in keys if key in live], seen)
+        blocks = _runs_of(request, new, group, self._block_size)  # outside the lock: the
+        with self._lock:                                           # sweep thread takes it
+            self._announce(blocks, seen)
 
-    def _announce(self, blocks: list[tuple[tuple[int, bytes], _Block]], seen: float) -> None:
+    def _announce(self, blocks: list[_Placed], seen: float) -> None:
         """(Under the lock.) The store holds `blocks`: live from `seen` on. Those not live yet
         are announced, as many as the queue has room for (the rest dropped, counted, and not
-        live); each run of a request's consecutive blocks in one `BlockStored`, as vLLM's own
-        events carry a request's blocks."""
-        live, new = self._live, []
-        for key, block in blocks:
-            if key in live:  # stored again (or skipped): still live, confirmed now
-                live[key] = (max(seen, live[key][0]), live[key][1])
-                live.move_to_end(key)
-            else:
-                new.append((key, block))
+        live); each run of them, every block the child of the one before, in one
+        `BlockStored`, as vLLM's own events carry a request's blocks."""
+        live, new, again, dropped = self._live, [], [], 0
         room = max(0, self.settings.queue - self._queued_blocks)
-        if len(new) > room:
-            self._count("kv_events_dropped", "stored", n=len(new) - room)
-            del new[room:]
-        live.update((key, (seen, block)) for key, block in new)
-        start = 0
-        for end in _run_ends(new):
-            self._push("stored", self._stored_event(new[start:end]), end - start)
-            start = end
+        entry: tuple[float, _Run | None] = (seen, None)  # one per run, shared by its blocks
+        for b in blocks:
+            key = b[0]
+            if key in live:  # stored again (or skipped): still live, confirmed now
+                again.append(key)
+            elif len(new) == room:
+                dropped += 1
+            else:
+                if entry[1] is not b[1]:
+                    entry = (seen, b[1])
+                live[key] = entry
+                new.append(b)
+        self._confirm(again, seen)
+        if dropped:
+            self._count("kv_events_dropped", "stored", n=dropped)
+        for pieces in _event_runs(new):
+            for run, start, end in pieces:
+                run.live += end - start
+            self._push("stored", self._stored_event(pieces),
+                       sum(end - start for _, start, end in pieces))
         self._trim()
+
+    def _confirm(self, keys: Iterable[tuple[int, bytes]], seen: float) -> None:
+        """(Under the lock.) Live blocks the store was seen holding at `seen`: live from then
+        on at least, and last in line for the live bound."""
+        live = self._live
+        for key in keys:
+            was = live[key]
+            if seen > was[0]:
+                live[key] = (seen, was[1])
+            live.move_to_end(key)
+
+    def _unlive(self, key: tuple[int, bytes]) -> None:
+        """(Under the lock.) Block `key` leaves the live set. Its run, once under a quarter of
+        its blocks are live, is cut down to stretches of those left: a run is kept whole only
+        while most of it is live (a hot block would otherwise keep a long prompt's tokens)."""
+        _, run = self._live.pop(key)
+        run.live -= 1
+        if run.live * 4 >= len(run.hashes):
+            return
+        live, g, bs = self._live, run.group, self._block_size
+        kept = [i for i, h in enumerate(run.hashes)
+                if (was := live.get((g, h))) is not None and was[1] is run]
+        for lo, hi in _stretches(kept):
+            part = run.part(lo, hi, bs)
+            part.live = hi - lo
+            for h in part.hashes:
+                live[(g, h)] = (live[(g, h)][0], part)
 
     def _trim(self) -> None:
         while len(self._live) > self.settings.max_live:
-            (group, h), _ = self._live.popitem(last=False)
+            group, h = key = next(iter(self._live))
+            self._unlive(key)
             self._count("kv_events_removals", "live_limit")
             self._push("removed", self._removed_event(group, h))
 
-    def _stored_event(self, run: Sequence[tuple[tuple[int, bytes], _Block]]) -> BlockStored:
-        """One `BlockStored` for blocks of one group, each the child of the one before."""
-        group, first = run[0][0][0], run[0][1]
+    def _stored_event(self, pieces: Sequence[tuple[_Run, int, int]]) -> BlockStored:
+        """One `BlockStored` for blocks of one group, each the child of the one before: the
+        `[start, end)` positions of each run in `pieces`, in order."""
+        first, start, _ = pieces[0]
+        group, bs = first.group, self._block_size
         kind, window = self._spec[group] if group < len(self._spec) else (None, None)
-        tokens = array("q")
-        for _, b in run:
-            tokens.extend(b.token_ids)
+        if len(pieces) == 1:
+            run, a, b = pieces[0]
+            hashes, tokens, extra = run.hashes[a:b], run.tokens[a * bs:b * bs], \
+                run.extra_keys[a:b]
+        else:
+            hashes, tokens, extra = [], [], []
+            for run, a, b in pieces:
+                hashes += run.hashes[a:b]
+                tokens += run.tokens[a * bs:b * bs]
+                extra += run.extra_keys[a:b]
+        parent = first.parent_of(start)
         return BlockStored(
-            block_hashes=external_hashes([key[1] for key, _ in run]),
-            parent_block_hash=external_hash(first.parent) if first.parent is not None else None,
-            token_ids=tokens.tolist(), block_size=self._block_size, lora_id=None,
-            medium=self.settings.medium, lora_name=first.lora_name,
-            extra_keys=[k for _, b in run for k in b.extra_keys],
-            group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
+            block_hashes=external_hashes(hashes),
+            parent_block_hash=external_hash(parent) if parent is not None else None,
+            token_ids=tokens, block_size=bs, lora_id=None, medium=self.settings.medium,
+            lora_name=first.lora_name, extra_keys=extra, group_idx=group,
+            kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
             locality=self.settings.locality)
 
     def cleared(self) -> None:
@@ -356,7 +456,7 @@ class StoreEventLog:
                     continue
                 if not self._push("removed", self._removed_event(*key)):
                     break
-                del self._live[key]
+                self._unlive(key)
                 n += 1
                 self._count("kv_events_removals", source)
         if n:
@@ -395,12 +495,13 @@ class StoreEventLog:
         with self._lock:
             queued, self._queue = list(self._queue), deque()
             room, self._queued_blocks = self.settings.queue - self._queued_blocks, 0
-            while self._repeat and room:
+            again: list[_Placed] = []
+            while self._repeat and len(again) < room:
                 key = self._repeat.popleft()
                 live = self._live.get(key)
                 if live is not None:
-                    queued.append(("stored", self._stored_event([(key, live[1])])))
-                    room -= 1
+                    again.append((key, live[1], live[1].position(key[1])))
+            queued += [("stored", self._stored_event(p)) for p in _event_runs(again)]
         if not queued:
             return []
         self._uncounted = True
@@ -465,15 +566,29 @@ class StoreEventLog:
             self._thread.join(timeout)
 
 
-def _run_ends(blocks: list[tuple[tuple[int, bytes], _Block]]) -> list[int]:
-    """Where each run of `blocks` ends (exclusive): a run ends where the next block is not its
-    child (another group, parent, or LoRA adapter)."""
-    if not blocks:
-        return []
-    ends = [i for i in range(1, len(blocks)) if blocks[i][0][0] != blocks[i - 1][0][0]
-            or blocks[i][1].parent != blocks[i - 1][0][1]
-            or blocks[i][1].lora_name != blocks[i - 1][1].lora_name]
-    return [*ends, len(blocks)]
+def _event_runs(blocks: Sequence[_Placed]) -> list[list[tuple[_Run, int, int]]]:
+    """`blocks` cut where the next block is not the child of the one before (another group,
+    parent, or LoRA adapter): one list per `BlockStored`, of `(run, start, end)` pieces, each
+    a stretch of consecutive positions of one run."""
+    events: list[list[tuple[_Run, int, int]]] = []
+    prev_key: tuple[int, bytes] | None = None
+    prev_run: _Run | None = None
+    start = prev = 0
+    for key, run, i in blocks:
+        if prev_run is not None:
+            if run is prev_run and i == prev + 1:
+                prev, prev_key = i, key
+                continue  # the same stretch: a request's next block is its child
+            events[-1].append((prev_run, start, prev + 1))
+            if (key[0] != prev_key[0] or run.lora_name != prev_run.lora_name
+                    or run.parent_of(i) != prev_key[1]):
+                events.append([])
+        else:
+            events.append([])
+        prev_run, prev_key, start, prev = run, key, i, i
+    if prev_run is not None:
+        events[-1].append((prev_run, start, prev + 1))
+    return events
 
 
 def _has_extra_keys(request: Any) -> bool:
@@ -485,10 +600,10 @@ def _has_extra_keys(request: Any) -> bool:
 
 def _extra_keys(request: Any, start: int, end: int) -> Any:
     """The block's extra hash keys (LoRA, cache salt, multimodal), as vLLM's events carry them.
-    A request with none of their sources gives `NO_EXTRA_KEYS` for every block, known without
+    A request with none of their sources gives None for every block, known without
     vLLM's per-block walk (a 128K-token prompt has 8,192 blocks)."""
     if not (_has_extra_keys(request) or (start == 0 and getattr(request, "cache_salt", None))):
-        return NO_EXTRA_KEYS
+        return None
     try:
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
@@ -496,6 +611,6 @@ def _extra_keys(request: Any, start: int, end: int) -> Any:
         )
 
         keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
-        return to_event_extra_keys([keys])
+        return to_event_extra_keys([keys])[0]
     except Exception:  # noqa: BLE001 - a test double or another vLLM: the hash still matches
-        return NO_EXTRA_KEYS
+        return None

@@ -138,8 +138,8 @@ def test_hashes_and_extra_keys_are_vllms_own(monkeypatch, as_int):
         h = bytes(range(32))
         assert external_hash(h) == maybe_convert_block_hash(h)
         assert type(external_hash(h)) is (int if as_int == "1" else bytes)
-        assert external_hashes([h, h[::-1]]) == [maybe_convert_block_hash(h),
-                                                 maybe_convert_block_hash(h[::-1])]
+        for hashes in ([h, h[::-1]], [h, h[:4], h[:9]]):  # one width, and several
+            assert external_hashes(hashes) == [maybe_convert_block_hash(x) for x in hashes]
     finally:
         monkeypatch.undo()
         kv_events._int_hashes.cache_clear()
@@ -152,7 +152,26 @@ def test_hashes_and_extra_keys_are_vllms_own(monkeypatch, as_int):
                 want = to_event_extra_keys(
                     [generate_block_hash_extra_keys(req, start, start + BS, 0)[0]])
                 got = kv_events._extra_keys(req, start, start + BS)
-                assert list(got) == want, (salt, adapter)  # its run's event lists them
+                assert [got] == want, (salt, adapter)  # its run's event lists one a block
+
+
+def test_a_requests_saves_of_two_steps_landed_together_are_one_run():
+    """A prompt computed over two steps is saved in two plans; landed in one report, its
+    blocks are still one run (each the child of the one before), with the right tokens."""
+    ev_log, _ = log()
+    req = request(5)
+    ev_log.planned(req, range(3), 0)
+    ev_log.planned(req, range(3, 5), 0)
+    ev_log.landed([(0, 0, tuple(req.block_hashes[3:])), (0, 0, tuple(req.block_hashes[:3]))])
+    events = roundtrip(ev_log.take())
+    assert len(events) == 2  # in the order reported: the later blocks' parent is not before
+    ev_log, _ = log()
+    ev_log.planned(req, range(3), 0)
+    ev_log.planned(req, range(3, 5), 0)
+    ev_log.landed([(0, 0, tuple(req.block_hashes[:3])), (0, 0, tuple(req.block_hashes[3:]))])
+    (e,) = roundtrip(ev_log.take())
+    assert e.block_hashes == [external_hash(h) for h in req.block_hashes]
+    assert e.token_ids == req.all_token_ids and e.parent_block_hash is None
 
 
 def test_tp2_one_event_per_block_once_every_rank_landed():
@@ -431,9 +450,10 @@ def test_loaded_blocks_are_announced_once_as_of_their_lookup():
     assert [t for _, _, t, _ in blocks] == [req.all_token_ids[i * BS:(i + 1) * BS]
                                             for i in range(3)]
     assert blocks[1][1] == external_hash(req.block_hashes[0])
-    ev_log.loaded(req, [0, 1, 2], 0, time.perf_counter())  # loaded again: no news
-    assert ev_log.take() == []
-    assert ev_log.missing([(0, req.block_hashes[0])], "sweep", seen) == 0
+    before = time.perf_counter()
+    ev_log.loaded(req, [0, 1, 2], 0, time.perf_counter())  # loaded again: no news, but
+    assert ev_log.take() == []                              # seen stored as of now
+    assert ev_log.missing([(0, req.block_hashes[0])], "sweep", before) == 0
     assert ev_log.missing([(0, req.block_hashes[0])], "sweep", time.perf_counter()) == 1
 
 
@@ -443,20 +463,42 @@ def test_after_a_cache_reset_every_live_block_is_announced_again_a_queue_at_a_ti
     keeps stepping (`pending`) until all went out."""
     ev_log, _ = log(queue=16, max_live=1000)
     req = request(20)
+    announced = []
     for part in (range(16), range(16, 20)):
         ev_log.planned(req, part, 0)
         ev_log.landed([(0, 0, tuple(req.block_hashes[i] for i in part))])
-        assert ev_log.take()
+        announced += roundtrip(ev_log.take())
+    assert len(per_block(announced)) == 20
     ev_log.counted()
     assert not ev_log.pending()
     ev_log.cleared()
     assert ev_log.pending()
-    first, second = roundtrip(ev_log.take()), roundtrip(ev_log.take())
+    first, second = per_block(roundtrip(ev_log.take())), per_block(roundtrip(ev_log.take()))
     ev_log.counted()
     assert (len(first), len(second)) == (16, 4) and not ev_log.pending()
-    again = [e.block_hashes[0] for e in first + second]
-    assert again == [external_hash(h) for h in req.block_hashes]
-    assert all(isinstance(e, BlockStored) and e.token_ids for e in first + second)
+    assert first + second == per_block([e for e in announced if isinstance(e, BlockStored)])
+
+
+def test_a_run_mostly_gone_from_the_live_set_keeps_only_its_live_blocks():
+    """A live block keeps its tokens as a slice of the run it was announced with. Once most
+    of a run has left the live set the run is cut down to the blocks left, so that a hot
+    block does not keep a long prompt's tokens; they still say the same when repeated after
+    a cache reset, and the blocks loaded again around it are announced as two runs."""
+    ev_log, _ = log(max_live=16, queue=100)
+    a = request(16, "a")
+    ev_log.loaded(a, range(16), 0, time.perf_counter())
+    first = per_block(roundtrip(ev_log.take()))
+    ev_log.loaded(a, [5], 0, time.perf_counter())  # block 5 is hot: last in line
+    ev_log.loaded(request(15, "bb"), range(15), 0, time.perf_counter())  # a's others leave
+    ev_log.take()
+    runs = {id(run): run for _, run in ev_log._live.values()}
+    assert sorted(len(r.hashes) for r in runs.values()) == [1, 15], "a's run kept whole"
+    ev_log.cleared()
+    assert first[5] in per_block(roundtrip(ev_log.take()))
+    ev_log.loaded(a, range(16), 0, time.perf_counter())
+    events = roundtrip(ev_log.take())
+    assert [len(e.block_hashes) for e in events if isinstance(e, BlockStored)] == [5, 10]
+    assert per_block(events)[-15:] == first[:5] + first[6:]
 
 
 def test_sliding_window_groups_are_not_announced():
