@@ -318,13 +318,12 @@ class StoreEventLog:
             for (group, hashes), ranks in jobs.items():
                 for h in hashes:
                     key = (group, h)
-                    p = planned.get(key)
+                    p = planned.pop(key, None)
                     if p is None:
                         continue  # announced already (a repeat), settled, or dropped above
                     if p[2] | ranks == everyone:
-                        del planned[key]
                         stored.append((key, p[0], p[1]))
-                    else:  # some ranks still to report: wait, in the same place in line
+                    else:  # some ranks still to report: back in line, last
                         planned[key] = (p[0], p[1], p[2] | ranks)
             self._announce(stored, now)
 
@@ -349,23 +348,26 @@ class StoreEventLog:
         are announced, as many as the queue has room for (the rest dropped, counted, and not
         live); each run of them, every block the child of the one before, in one
         `BlockStored`, as vLLM's own events carry a request's blocks."""
-        live, new, again, dropped = self._live, [], [], 0
-        room = max(0, self.settings.queue - self._queued_blocks)
-        entry: tuple[float, _Run | None] = (seen, None)  # one per run, shared by its blocks
+        live, new, again = self._live, [], []
+        run: _Run | None = None
+        entry: tuple[float, _Run] | None = None  # one per run, shared by its blocks
         for b in blocks:
             key = b[0]
             if key in live:  # stored again (or skipped): still live, confirmed now
                 again.append(key)
-            elif len(new) == room:
-                dropped += 1
-            else:
-                if entry[1] is not b[1]:
-                    entry = (seen, b[1])
-                live[key] = entry
-                new.append(b)
+                continue
+            if b[1] is not run:
+                run = b[1]
+                entry = (seen, run)
+            live[key] = entry
+            new.append(b)
+        room = max(0, self.settings.queue - self._queued_blocks)
+        if len(new) > room:
+            self._count("kv_events_dropped", "stored", n=len(new) - room)
+            for b in new[room:]:
+                del live[b[0]]
+            del new[room:]
         self._confirm(again, seen)
-        if dropped:
-            self._count("kv_events_dropped", "stored", n=dropped)
         for pieces in _event_runs(new):
             for run, start, end in pieces:
                 run.live += end - start
@@ -378,7 +380,9 @@ class StoreEventLog:
         on at least, and last in line for the live bound."""
         live = self._live
         for key in keys:
-            was = live[key]
+            was = live.get(key)
+            if was is None:
+                continue
             if seen > was[0]:
                 live[key] = (seen, was[1])
             live.move_to_end(key)
