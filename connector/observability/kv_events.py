@@ -164,9 +164,10 @@ class _Run:
     """Consecutive blocks of one request in one group, as a `BlockStored` says them: their
     hashes, the parent of the first, their tokens and extra keys, each a slice taken once.
     Every block of a save or load refers to its run by position, so a block costs a reference,
-    not objects of its own (a 128K-token prompt has 8,192 blocks). `live` counts the live
+    not objects of its own (a 128K-token prompt has 8,192 blocks; and objects that hold others
+    are what the garbage collector walks). `live` counts the live
     blocks that refer to it: a run most of whose blocks left the live set is cut down to those
-    left (`StoreEventLog._unlive`), so what a live block keeps stays bounded."""
+    left (`StoreEventLog._cut`), so what a live block keeps stays bounded."""
 
     __slots__ = ("group", "rid", "hashes", "parent", "tokens", "extra_keys", "lora_name",
                  "live", "_positions")
@@ -187,33 +188,33 @@ class _Run:
     def parent_of(self, i: int) -> bytes | None:
         return self.hashes[i - 1] if i else self.parent
 
-    def position(self, h: bytes) -> int:
-        """Where block `h` is in the run (an index made on first use: only an announcement
-        repeated after a cache reset asks)."""
+    def index(self) -> dict[bytes, int]:
+        """Each block's position in the run, by hash (made on first use: by a save's
+        planning, whose blocks come back as hashes, and a repeat after a cache reset)."""
         if self._positions is None:
-            self._positions = {b: i for i, b in enumerate(self.hashes)}
-        return self._positions[h]
+            self._positions = dict(zip(self.hashes, range(len(self.hashes)), strict=True))
+        return self._positions
 
 
 def _runs_of(request: Any, indices: Sequence[int], group: int, block_size: int
-             ) -> list[tuple[tuple[int, bytes], _Run, int]]:
-    """Blocks `indices` (ascending) of `request`, each as (key, its run, its position there):
-    a run per stretch of consecutive indices, so that a run holds no block it was not made
-    for."""
+             ) -> tuple[list[_Run], list[int]]:
+    """Blocks `indices` (ascending) of `request`: each one's run and position there, a run
+    per stretch of consecutive indices, so that a run holds no block it was not made for."""
     hashes, tokens = request.block_hashes, request.all_token_ids
     lora = getattr(request, "lora_request", None)
     name, rid = (lora.name if lora else None), request.request_id
     plain = not _has_extra_keys(request)  # then only a cache salt, on block 0, has any
-    out: list[tuple[tuple[int, bytes], _Run, int]] = []
+    runs: list[_Run] = []
+    positions: list[int] = []
     for lo, hi in _stretches(indices):
         extra: list[Any] = [None] * (hi - lo) if plain else [
             _extra_keys(request, i * block_size, (i + 1) * block_size) for i in range(lo, hi)]
         if plain and lo == 0:
             extra[0] = _extra_keys(request, 0, block_size)
-        run = _Run(group, rid, hashes[lo:hi], hashes[lo - 1] if lo else None,
-                   tokens[lo * block_size:hi * block_size], extra, name)
-        out += [((group, hashes[i]), run, i - lo) for i in range(lo, hi)]
-    return out
+        runs += [_Run(group, rid, hashes[lo:hi], hashes[lo - 1] if lo else None,
+                      tokens[lo * block_size:hi * block_size], extra, name)] * (hi - lo)
+        positions += range(hi - lo)
+    return runs, positions
 
 
 def _stretches(indices: Sequence[int]) -> list[tuple[int, int]]:
@@ -225,10 +226,6 @@ def _stretches(indices: Sequence[int]) -> list[tuple[int, int]]:
         return [(indices[0], indices[-1] + 1)]
     cuts = [0, *(k for k in range(1, n) if indices[k] != indices[k - 1] + 1), n]
     return [(indices[a], indices[b - 1] + 1) for a, b in itertools.pairwise(cuts)]
-
-
-# A block in flight to an event: ((group, hash), its run, its position in the run).
-_Placed = tuple[tuple[int, bytes], _Run, int]
 
 
 # The KV cache group kinds whose blocks are announced: every router indexes these. A
@@ -258,9 +255,10 @@ class StoreEventLog:
         self._spec = tuple(spec_kinds)
         self._wake = wake
         self._lock = threading.Lock()
-        # planned saves -> (the block's run, its position there, a bit per TP rank that
-        # reported it landed)
-        self._planned: OrderedDict[tuple[int, bytes], tuple[_Run, int, int]] = OrderedDict()
+        # planned saves -> the block's run; and of those some TP ranks reported landed but not
+        # all, a bit per rank that did
+        self._planned: OrderedDict[tuple[int, bytes], _Run] = OrderedDict()
+        self._ranks: dict[tuple[int, bytes], int] = {}
         self._everyone = (1 << tp_size) - 1  # the ranks bits of a block every rank reported
         # announced blocks -> (when the store was last seen holding it, the run it was
         # announced from: one tuple per run announced together, shared by its blocks)
@@ -284,23 +282,32 @@ class StoreEventLog:
         lost theirs)."""
         if not self._announced(group) or not indices:
             return
-        entries = [(key, (run, i, 0))
-                   for key, run, i in _runs_of(request, indices, group, self._block_size)]
+        hashes = request.block_hashes
+        keys = [(group, hashes[i]) for i in indices]
+        runs, _ = _runs_of(request, indices, group, self._block_size)
+        for run in dict.fromkeys(runs):
+            run.index()  # made here, outside the lock, for `landed`
         with self._lock:
-            planned = self._planned
-            for key in [key for key, _ in entries if key in planned]:
+            planned, ranks = self._planned, self._ranks
+            for key in [key for key in keys if key in planned]:
                 del planned[key]  # planned again: a fresh attempt, last in line
-            planned.update(entries)
+                ranks.pop(key, None)
+            planned.update(zip(keys, runs, strict=True))
             while len(planned) > self.settings.queue:
-                planned.popitem(last=False)
+                key, _ = planned.popitem(last=False)
+                ranks.pop(key, None)
                 self._count("kv_events_dropped", "stored")
 
     def settled(self, req_id: str) -> None:
         """Every rank finished `req_id`'s saves: its blocks that not every rank reported were
         not stored (each failure is counted in save_error_keys), and are never announced."""
         with self._lock:
-            for key in [k for k, p in self._planned.items() if p[0].rid == req_id]:
+            gone = [(k, run) for k, run in self._planned.items() if run.rid == req_id]
+            for key, _ in gone:
                 del self._planned[key]
+                self._ranks.pop(key, None)
+            for run in dict.fromkeys(run for _, run in gone):
+                self._cut(run)  # some of it landed at most: what did is all it keeps
 
     def landed(self, records: Iterable[tuple[int, int, Sequence[bytes]]]) -> None:
         """Workers' reports, (rank, group, block hashes) each: a block whose every rank
@@ -312,20 +319,25 @@ class StoreEventLog:
         for rank, group, hashes in records:
             job = (group, tuple(hashes))
             jobs[job] = jobs.get(job, 0) | 1 << rank
-        planned, everyone = self._planned, self._everyone
+        planned, partial, everyone = self._planned, self._ranks, self._everyone
+        keys: list[tuple[int, bytes]] = []
+        runs: list[_Run] = []
+        positions: list[int] = []
         with self._lock:
-            stored: list[_Placed] = []
             for (group, hashes), ranks in jobs.items():
                 for h in hashes:
                     key = (group, h)
-                    p = planned.pop(key, None)
-                    if p is None:
+                    run = planned.pop(key, None)
+                    if run is None:
                         continue  # announced already (a repeat), settled, or dropped above
-                    if p[2] | ranks == everyone:
-                        stored.append((key, p[0], p[1]))
-                    else:  # some ranks still to report: back in line, last
-                        planned[key] = (p[0], p[1], p[2] | ranks)
-            self._announce(stored, now)
+                    got = ranks | partial.pop(key, 0) if partial else ranks
+                    if got != everyone:  # some ranks still to report: back in line, last
+                        planned[key], partial[key] = run, got
+                        continue
+                    keys.append(key)
+                    runs.append(run)
+                    positions.append(run.index()[h])
+            self._announce(keys, runs, positions, now)
 
     def loaded(self, request: Any, indices: Sequence[int], group: int, seen: float) -> None:
         """This engine loads blocks `indices` (ascending) of `request`, which a lookup started
@@ -339,38 +351,45 @@ class StoreEventLog:
             new = [i for i, key in zip(indices, keys, strict=True) if key not in live]
             if len(new) < len(keys):
                 self._confirm([key for key in keys if key in live], seen)
-        blocks = _runs_of(request, new, group, self._block_size)  # outside the lock: the
-        with self._lock:                                           # sweep thread takes it
-            self._announce(blocks, seen)
+                keys = [key for key in keys if key not in live]
+        runs, positions = _runs_of(request, new, group, self._block_size)  # outside the lock:
+        with self._lock:                                                   # the sweep takes it
+            self._announce(keys, runs, positions, seen)
 
-    def _announce(self, blocks: list[_Placed], seen: float) -> None:
-        """(Under the lock.) The store holds `blocks`: live from `seen` on. Those not live yet
-        are announced, as many as the queue has room for (the rest dropped, counted, and not
-        live); each run of them, every block the child of the one before, in one
-        `BlockStored`, as vLLM's own events carry a request's blocks."""
-        live, new, again = self._live, [], []
+    def _announce(self, keys: list[tuple[int, bytes]], runs: list[_Run],
+                  positions: list[int], seen: float) -> None:
+        """(Under the lock.) The store holds blocks `keys` (each at its position of its run):
+        live from `seen` on. Those not live yet are announced, as many as the queue has room
+        for (the rest dropped, counted, and not live); each run of them, every block the child
+        of the one before, in one `BlockStored`, as vLLM's own events carry a request's
+        blocks. Parallel lists, not a tuple per block: fewer objects for the collector."""
+        live, again = self._live, []
+        new_keys: list[tuple[int, bytes]] = []
+        new_runs: list[_Run] = []
+        new_positions: list[int] = []
         run: _Run | None = None
         entry: tuple[float, _Run] | None = None  # one per run, shared by its blocks
-        for b in blocks:
-            key = b[0]
+        for key, r, i in zip(keys, runs, positions, strict=True):
             if key in live:  # stored again (or skipped): still live, confirmed now
                 again.append(key)
                 continue
-            if b[1] is not run:
-                run = b[1]
-                entry = (seen, run)
+            if r is not run:
+                run = r
+                entry = (seen, r)
             live[key] = entry
-            new.append(b)
+            new_keys.append(key)
+            new_runs.append(r)
+            new_positions.append(i)
         room = max(0, self.settings.queue - self._queued_blocks)
-        if len(new) > room:
-            self._count("kv_events_dropped", "stored", n=len(new) - room)
-            for b in new[room:]:
-                del live[b[0]]
-            del new[room:]
+        if len(new_keys) > room:
+            self._count("kv_events_dropped", "stored", n=len(new_keys) - room)
+            for key in new_keys[room:]:
+                del live[key]
+            del new_keys[room:], new_runs[room:], new_positions[room:]
         self._confirm(again, seen)
-        for pieces in _event_runs(new):
-            for run, start, end in pieces:
-                run.live += end - start
+        for pieces in _event_runs(new_keys, new_runs, new_positions):
+            for r, start, end in pieces:
+                r.live += end - start
             self._push("stored", self._stored_event(pieces),
                        sum(end - start for _, start, end in pieces))
         self._trim()
@@ -388,11 +407,16 @@ class StoreEventLog:
             live.move_to_end(key)
 
     def _unlive(self, key: tuple[int, bytes]) -> None:
-        """(Under the lock.) Block `key` leaves the live set. Its run, once under a quarter of
-        its blocks are live, is cut down to stretches of those left: a run is kept whole only
-        while most of it is live (a hot block would otherwise keep a long prompt's tokens)."""
+        """(Under the lock.) Block `key` leaves the live set."""
         _, run = self._live.pop(key)
         run.live -= 1
+        self._cut(run)
+
+    def _cut(self, run: _Run) -> None:
+        """(Under the lock.) A run under a quarter of whose blocks are live is cut down to
+        stretches of those: a run is kept whole only while most of it is live, or a hot block
+        would keep a long prompt's tokens. Asked when a block leaves the live set and when a
+        request's saves settled (the blocks that never landed are then known)."""
         if run.live * 4 >= len(run.hashes):
             return
         live, g, bs = self._live, run.group, self._block_size
@@ -403,6 +427,7 @@ class StoreEventLog:
             part.live = hi - lo
             for h in part.hashes:
                 live[(g, h)] = (live[(g, h)][0], part)
+        run.live = 0  # no live block refers to it now (a save of it may land later)
 
     def _trim(self) -> None:
         while len(self._live) > self.settings.max_live:
@@ -499,13 +524,17 @@ class StoreEventLog:
         with self._lock:
             queued, self._queue = list(self._queue), deque()
             room, self._queued_blocks = self.settings.queue - self._queued_blocks, 0
-            again: list[_Placed] = []
-            while self._repeat and len(again) < room:
+            keys: list[tuple[int, bytes]] = []
+            runs: list[_Run] = []
+            while self._repeat and len(keys) < room:
                 key = self._repeat.popleft()
                 live = self._live.get(key)
                 if live is not None:
-                    again.append((key, live[1], live[1].position(key[1])))
-            queued += [("stored", self._stored_event(p)) for p in _event_runs(again)]
+                    keys.append(key)
+                    runs.append(live[1])
+            positions = [run.index()[h] for run, (_, h) in zip(runs, keys, strict=True)]
+            queued += [("stored", self._stored_event(p))
+                       for p in _event_runs(keys, runs, positions)]
         if not queued:
             return []
         self._uncounted = True
@@ -570,15 +599,17 @@ class StoreEventLog:
             self._thread.join(timeout)
 
 
-def _event_runs(blocks: Sequence[_Placed]) -> list[list[tuple[_Run, int, int]]]:
-    """`blocks` cut where the next block is not the child of the one before (another group,
-    parent, or LoRA adapter): one list per `BlockStored`, of `(run, start, end)` pieces, each
-    a stretch of consecutive positions of one run."""
+def _event_runs(keys: Sequence[tuple[int, bytes]], runs: Sequence[_Run],
+                positions: Sequence[int]) -> list[list[tuple[_Run, int, int]]]:
+    """Blocks (each a key, its run and its position there) cut where the next block is not
+    the child of the one before (another group, parent, or LoRA adapter): one list per
+    `BlockStored`, of `(run, start, end)` pieces, each a stretch of consecutive positions of
+    one run."""
     events: list[list[tuple[_Run, int, int]]] = []
-    prev_key: tuple[int, bytes] | None = None
+    prev_key: tuple[int, bytes] = (-1, b"")
     prev_run: _Run | None = None
     start = prev = 0
-    for key, run, i in blocks:
+    for key, run, i in zip(keys, runs, positions, strict=True):
         if prev_run is not None:
             if run is prev_run and i == prev + 1:
                 prev, prev_key = i, key

@@ -501,6 +501,21 @@ def test_a_run_mostly_gone_from_the_live_set_keeps_only_its_live_blocks():
     assert per_block(events)[-15:] == first[:5] + first[6:]
 
 
+def test_a_save_that_landed_in_part_keeps_only_what_landed_once_settled():
+    """A save plan whose puts mostly failed: once its request's saves settled, the block that
+    landed keeps its own tokens, not its whole plan's."""
+    ev_log, _ = log(tp=2)
+    req = request(8)
+    ev_log.planned(req, range(8), 0)
+    ev_log.landed([(r, 0, (req.block_hashes[3],)) for r in (0, 1)])  # every other put failed
+    first = per_block(roundtrip(ev_log.take()))
+    ev_log.settled("r")
+    ((_, run),) = ev_log._live.values()
+    assert run.hashes == [req.block_hashes[3]] and len(run.tokens) == BS
+    ev_log.cleared()
+    assert per_block(roundtrip(ev_log.take())) == first
+
+
 def test_sliding_window_groups_are_not_announced():
     """Only the groups every router indexes: a sliding-window group's removals (it keeps only
     its window) would erase the full group's credit in a router that keys by hash alone."""
