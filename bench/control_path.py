@@ -6,8 +6,9 @@ heads, head size 128, bf16, block size 16, TP=1), beside vLLM's in-tree
 Steps, each timed on its own (wall and this process's CPU, which counts every thread of it):
 - `lookup`: the scheduler's lookup of a prompt whose every block is stored, from the request's
   arrival (`prefetch`, as `on_new_request` calls it) to vLLM's answer
-  (`get_num_new_matched_tokens`): the keys of every block and one batch existence check
-  against a real master (objects of one byte under the real keys: only the keys matter);
+  (`get_num_new_matched_tokens`, asked once per scheduler step, the steps back to back): the
+  keys of every block and the batch existence checks against a real master (objects of one
+  byte under the real keys: only the keys matter);
 - `plan`: `update_state_after_alloc` and `build_connector_meta` for that request: the step's
   load plan;
 - `load_prep_first`: what a receive thread does before its store call (`_load`): the
@@ -157,10 +158,17 @@ class Ours:
         return sum(len(e.block_hashes) for e in log.take())
 
     def _ask(self, req: SimpleNamespace) -> tuple[int, bool]:
+        """The request's arrival, then vLLM's ask once per scheduler step until the lookup
+        answers, the steps back to back (their forward passes are not the connector's). Each
+        step has its own `lookup_wait_ms` to wait in, as `build_connector_meta` gives it: asks
+        in a loop with the budget spent would spin against the lookup thread for the GIL and
+        count their own CPU as the lookup's."""
         self.sched.prefetch(req)
-        while (res := self.sched.get_num_new_matched_tokens(req, 0))[0] is None:
-            time.sleep(0)
-        return res
+        while True:
+            self.sched.step_waited_s = 0.0  # a new step
+            res = self.sched.get_num_new_matched_tokens(req, 0)
+            if res[0] is not None:
+                return res
 
     def _step(self, new: list[Any]) -> Any:
         return self.sched.build_connector_meta(SimpleNamespace(
