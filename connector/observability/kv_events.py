@@ -323,6 +323,8 @@ class StoreEventLog:
         keys: list[tuple[int, bytes]] = []
         runs: list[_Run] = []
         positions: list[int] = []
+        last: _Run | None = None
+        index: dict[bytes, int] = {}  # the position of each block of `last`
         with self._lock:
             for (group, hashes), ranks in jobs.items():
                 for h in hashes:
@@ -334,9 +336,11 @@ class StoreEventLog:
                     if got != everyone:  # some ranks still to report: back in line, last
                         planned[key], partial[key] = run, got
                         continue
+                    if run is not last:
+                        last, index = run, run.index()
                     keys.append(key)
                     runs.append(run)
-                    positions.append(run.index()[h])
+                    positions.append(index[h])
             self._announce(keys, runs, positions, now)
 
     def loaded(self, request: Any, indices: Sequence[int], group: int, seen: float) -> None:
