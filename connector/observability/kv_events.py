@@ -434,11 +434,15 @@ class StoreEventLog:
         run.live = 0  # no live block refers to it now (a save of it may land later)
 
     def _trim(self) -> None:
+        """(Under the lock.) Past `kv_events_max_live`, the oldest live blocks are announced
+        removed. One whose removal the full queue cannot take stays live (a router would
+        otherwise credit it for good): the next `take` makes room and trims again."""
         while len(self._live) > self.settings.max_live:
             group, h = key = next(iter(self._live))
+            if not self._push("removed", self._removed_event(group, h)):
+                break
             self._unlive(key)
             self._count("kv_events_removals", "live_limit")
-            self._push("removed", self._removed_event(group, h))
 
     def _stored_event(self, pieces: Sequence[tuple[_Run, int, int]]) -> BlockStored:
         """One `BlockStored` for blocks of one group, each the child of the one before: the
@@ -539,6 +543,7 @@ class StoreEventLog:
             positions = [run.index()[h] for run, (_, h) in zip(runs, keys, strict=True)]
             queued += [("stored", self._stored_event(p))
                        for p in _event_runs(keys, runs, positions)]
+            self._trim()  # what a full queue held back, for the next take
         if not queued:
             return []
         self._uncounted = True

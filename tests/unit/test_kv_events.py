@@ -261,6 +261,23 @@ def test_live_limit_withdraws_the_oldest():
     assert counts.c[("kv_events_removals", "live_limit")] == 4
 
 
+def test_a_trim_the_full_queue_cannot_take_waits_for_the_next_take():
+    """Past the live bound with the queue full, the oldest block stays live (withdrawn
+    without its BlockRemoved, a router would credit it for good), and is withdrawn once vLLM
+    took the events."""
+    ev_log, counts = log(queue=4, max_live=2)
+    req = request(4)
+    ev_log.loaded(req, range(4), 0, time.perf_counter())
+    assert [type(e) for e in ev_log.take()] == [BlockStored]
+    assert counts.c[("kv_events_dropped", "removed")] == 1
+    assert len(ev_log.live()) == 2
+    removed = ev_log.take()
+    assert [e.block_hashes for e in removed] == [[external_hash(h)]
+                                                 for h in req.block_hashes[:2]]
+    assert all(isinstance(e, BlockRemoved) for e in removed)
+    assert counts.c[("kv_events_removals", "live_limit")] == 2
+
+
 def test_worker_records_are_bounded():
     counts = Counts()
     w = WorkerLanded(1, 16, counts)
