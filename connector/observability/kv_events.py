@@ -259,6 +259,7 @@ class StoreEventLog:
         # all, a bit per rank that did
         self._planned: OrderedDict[tuple[int, bytes], _Run] = OrderedDict()
         self._ranks: dict[tuple[int, bytes], int] = {}
+        self._plans: dict[str, list[_Run]] = {}  # each request's planned runs, until settled
         self._everyone = (1 << tp_size) - 1  # the ranks bits of a block every rank reported
         # announced blocks -> (when the store was last seen holding it, the run it was
         # announced from: one tuple per run announced together, shared by its blocks)
@@ -293,6 +294,9 @@ class StoreEventLog:
                 del planned[key]  # planned again: a fresh attempt, last in line
                 ranks.pop(key, None)
             planned.update(zip(keys, runs, strict=True))
+            self._plans.setdefault(request.request_id, []).extend(dict.fromkeys(runs))
+            while len(self._plans) > self.settings.queue:  # requests that never settled
+                self._plans.pop(next(iter(self._plans)))
             while len(planned) > self.settings.queue:
                 key, _ = planned.popitem(last=False)
                 ranks.pop(key, None)
@@ -302,11 +306,13 @@ class StoreEventLog:
         """Every rank finished `req_id`'s saves: its blocks that not every rank reported were
         not stored (each failure is counted in save_error_keys), and are never announced."""
         with self._lock:
-            gone = [(k, run) for k, run in self._planned.items() if run.rid == req_id]
-            for key, _ in gone:
-                del self._planned[key]
-                self._ranks.pop(key, None)
-            for run in dict.fromkeys(run for _, run in gone):
+            planned = self._planned
+            for run in self._plans.pop(req_id, ()):
+                for h in run.hashes:
+                    key = (run.group, h)
+                    if planned.get(key) is run:
+                        del planned[key]
+                        self._ranks.pop(key, None)
                 self._cut(run)  # some of it landed at most: what did is all it keeps
 
     def landed(self, records: Iterable[tuple[int, int, Sequence[bytes]]]) -> None:
@@ -385,7 +391,8 @@ class StoreEventLog:
             new_runs.append(r)
             new_positions.append(i)
         room = max(0, self.settings.queue - self._queued_blocks)
-        if len(new_keys) > room:
+        short = dict.fromkeys(new_runs[room:])  # runs whose blocks did not all fit
+        if short:
             self._count("kv_events_dropped", "stored", n=len(new_keys) - room)
             for key in new_keys[room:]:
                 del live[key]
@@ -396,6 +403,8 @@ class StoreEventLog:
                 r.live += end - start
             self._push("stored", self._stored_event(pieces),
                        sum(end - start for _, start, end in pieces))
+        for r in short:
+            self._cut(r)
         self._trim()
 
     def _confirm(self, keys: Iterable[tuple[int, bytes]], seen: float) -> None:
@@ -419,8 +428,9 @@ class StoreEventLog:
     def _cut(self, run: _Run) -> None:
         """(Under the lock.) A run under a quarter of whose blocks are live is cut down to
         stretches of those: a run is kept whole only while most of it is live, or a hot block
-        would keep a long prompt's tokens. Asked when a block leaves the live set and when a
-        request's saves settled (the blocks that never landed are then known)."""
+        would keep a long prompt's tokens. Asked when a block leaves the live set, when blocks
+        of the run did not fit in the queue, and when a request's saves settled (the blocks
+        that never landed are then known)."""
         if run.live * 4 >= len(run.hashes):
             return
         live, g, bs = self._live, run.group, self._block_size

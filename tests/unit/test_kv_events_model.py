@@ -2,7 +2,8 @@
 do (plans, partial and repeated reports from two TP ranks, loads, removals, settled requests,
 cache resets, the queue and live bounds hit): every announced block says the truth about
 itself (its parent and tokens), a block is live exactly while the model says so, a run's
-count of live blocks is right, and a reset repeats every live block as it was first said.
+count of live blocks is right, a reset repeats every live block as it was first said, and once
+every request's saves settled no run keeps more than four times its live blocks.
 Seeded, so a failure replays."""
 
 from __future__ import annotations
@@ -121,3 +122,9 @@ def test_random_histories_keep_every_event_true(seed):
             check(ev_log, again, blocks, live)
             continue
         check(ev_log, ev_log.take(), blocks, live)
+    for req in reqs:  # every request's saves settle: a run keeps little it has not live
+        ev_log.settled(req.request_id)
+    check(ev_log, ev_log.take(), blocks, live)
+    for _, run in ev_log._live.values():
+        assert len(run.hashes) <= 4 * run.live, "a run keeps four times its live blocks"
+    assert not ev_log._planned and not ev_log._plans
