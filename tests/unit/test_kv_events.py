@@ -174,6 +174,28 @@ def test_a_requests_saves_of_two_steps_landed_together_are_one_run():
     assert e.token_ids == req.all_token_ids and e.parent_block_hash is None
 
 
+@pytest.mark.parametrize("salt,adapter", [("s", None), (None, "ad"), ("s", "ad")])
+def test_a_runs_extra_keys_and_adapter_are_vllms_per_block(salt, adapter):
+    """Each block of an event carries the extra keys vLLM's own event would give it (a cache
+    salt only the first block of a prompt, a LoRA adapter every block), also when the run
+    starts past the first block."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    lora = SimpleNamespace(lora_name=adapter, lora_path="/ad", name=adapter) if adapter else None
+    req = request(4)
+    req.lora_request, req.cache_salt, req.mm_features, req.prompt_embeds = lora, salt, [], None
+    want = [to_event_extra_keys([generate_block_hash_extra_keys(req, i * BS, (i + 1) * BS,
+                                                                0)[0]])[0] for i in range(4)]
+    ev_log, _ = log()
+    ev_log.loaded(req, range(1, 4), 0, time.perf_counter())
+    ev_log.planned(req, [0], 0)
+    ev_log.landed([(0, 0, (req.block_hashes[0],))])
+    later, first = roundtrip(ev_log.take())
+    assert later.extra_keys == want[1:] and first.extra_keys == want[:1]
+    assert later.lora_name == first.lora_name == adapter
+    assert (want[0] is not None) == bool(salt or adapter)
+
+
 def test_tp2_one_event_per_block_once_every_rank_landed():
     ev_log, _ = log(tp=2)
     req = request(2)
