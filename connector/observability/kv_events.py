@@ -601,7 +601,7 @@ class StoreEventLog:
                 if self._stop.is_set():
                     break
                 batch = blocks[i:i + SWEEP_BATCH]
-                keys = [self._keys([h], g) for g, h in batch]
+                keys = self._batch_keys(batch)
                 t0 = time.perf_counter()
                 present = client.query([k for ks in keys for k in ks])
                 gone = [b for b, ks in zip(batch, keys, strict=True)
@@ -611,6 +611,16 @@ class StoreEventLog:
             if own:
                 client.close()
         return removed
+
+    def _batch_keys(self, batch: Sequence[tuple[int, bytes]]) -> list[list[str]]:
+        """Each block's store keys (every shard's), one key-builder call per group."""
+        n, out = self._shards, [[] for _ in batch]
+        for g in dict.fromkeys(g for g, _ in batch):
+            at = [j for j, (bg, _) in enumerate(batch) if bg == g]
+            flat = self._keys([batch[j][1] for j in at], g)
+            for k, j in enumerate(at):
+                out[j] = flat[k * n:(k + 1) * n]
+        return out
 
     def shutdown(self, timeout: float = 2.0) -> None:
         self._stop.set()

@@ -9,6 +9,25 @@ import json
 import urllib.parse
 from collections.abc import Sequence
 
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-~")
+
+
+def quote(text: str) -> str:
+    """`urllib.parse.quote(text, safe="")`, the same for every input: the standard library
+    quotes byte by byte in Python, which cost a sweep round most of its CPU (a store key is
+    about a hundred characters, a query 64 keys). ASCII text is scanned once for the few
+    characters to escape, each then replaced in C ('%' first, as the escapes bring more);
+    other text goes to the standard library."""
+    if not text.isascii():
+        return urllib.parse.quote(text, safe="")
+    escape = set(text).difference(_UNRESERVED)
+    if "%" in escape:
+        text = text.replace("%", "%25")
+        escape.discard("%")
+    for c in escape:
+        text = text.replace(c, f"%{ord(c):02X}")
+    return text
+
 
 class MasterKeys:
     """Which keys the master holds a complete replica of (memory or disk), from its HTTP admin
@@ -26,7 +45,7 @@ class MasterKeys:
                                                     timeout=self._timeout)
         try:
             self._conn.request("GET", "/batch_query_keys?keys="
-                               + urllib.parse.quote(",".join(keys), safe=""))
+                               + quote(",".join(keys)))
             resp = self._conn.getresponse()
             raw = resp.read()
             if resp.status != 200:

@@ -300,6 +300,32 @@ def test_a_trim_the_full_queue_cannot_take_waits_for_the_next_take():
     assert counts.c[("kv_events_removals", "live_limit")] == 2
 
 
+def test_a_sweep_removes_a_block_any_of_whose_shards_is_gone_in_its_own_group():
+    """Each block's keys are every shard's, asked per group: a block in one group missing one
+    shard is removed; the same hash in another group, whole, stays."""
+    counts = Counts()
+    ev_log = StoreEventLog(settings(), 2, BS,
+                           lambda hs, g: [f"g{g}/{h.hex()}/s{s}" for h in hs for s in (0, 1)],
+                           2, counts, (("full_attention", None), ("full_attention", None)))
+    req = request(3)
+    for g in (0, 1):
+        ev_log.loaded(req, range(3), g, time.perf_counter())
+    ev_log.take()
+    lost = f"g1/{req.block_hashes[1].hex()}/s1"
+    asked: list[list[str]] = []
+
+    class Master:
+        def query(self, keys):
+            asked.append(list(keys))
+            return {k: k != lost for k in keys}
+
+    assert ev_log.sweep(Master()) == 1
+    assert set(ev_log.live()) == {(g, h) for g in (0, 1) for h in req.block_hashes} - {
+        (1, req.block_hashes[1])}
+    assert sorted(k for ks in asked for k in ks) == sorted(
+        f"g{g}/{h.hex()}/s{s}" for g in (0, 1) for h in req.block_hashes for s in (0, 1))
+
+
 def test_worker_records_are_bounded():
     counts = Counts()
     w = WorkerLanded(1, 16, counts)
