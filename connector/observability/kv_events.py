@@ -165,9 +165,9 @@ class _Run:
     hashes, the parent of the first, their tokens and extra keys, each a slice taken once.
     Every block of a save or load refers to its run by position, so a block costs a reference,
     not objects of its own (a 128K-token prompt has 8,192 blocks; and objects that hold others
-    are what the garbage collector walks). `live` counts the live
-    blocks that refer to it: a run most of whose blocks left the live set is cut down to those
-    left (`StoreEventLog._cut`), so what a live block keeps stays bounded."""
+    are what the garbage collector walks). `live` counts the live blocks that refer to it: a
+    run most of whose blocks left the live set is cut down to those left
+    (`StoreEventLog._cut`), so what a live block keeps stays bounded."""
 
     __slots__ = ("group", "rid", "hashes", "parent", "tokens", "extra_keys", "lora_name",
                  "live", "_positions")
