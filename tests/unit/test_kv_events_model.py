@@ -1,10 +1,10 @@
 """Store KV events against a model, over random sequences of what the scheduler and workers
-do (plans, partial and repeated reports from two TP ranks, loads, removals, settled requests,
-cache resets, the queue and live bounds hit): every announced block says the truth about
-itself (its parent and tokens), a block is live exactly while the model says so, a run's
-count of live blocks is right, a reset repeats every live block as it was first said, and once
-every request's saves settled no run keeps more than four times its live blocks.
-Seeded, so a failure replays."""
+do in two KV cache groups holding the same hashes (plans, partial and repeated reports from
+two TP ranks, loads, removals, settled requests, cache resets, the queue and live bounds hit):
+every announced block says the truth about itself (its parent and tokens), a block is live
+exactly while the model says so, a run's count of live blocks is right, a reset repeats every
+live block as it was first said, and once every request's saves settled no run keeps more
+than four times its live blocks. Seeded, so a failure replays."""
 
 from __future__ import annotations
 
@@ -62,6 +62,12 @@ def said(events: list) -> list[tuple]:
     return out
 
 
+def said_live(events: list) -> set:
+    """(group, hash) of each block the BlockStored events carry."""
+    return {(e.group_idx, h) for e in events if isinstance(e, BlockStored)
+            for h in e.block_hashes}
+
+
 def check(ev_log: StoreEventLog, events: list, blocks: dict, live: set) -> None:
     for h, parent, tokens in said(events):
         assert blocks[h] == (parent, tokens), "a block announced with another's parent or tokens"
@@ -91,22 +97,23 @@ def test_random_histories_keep_every_event_true(seed):
     blocks = truth(reqs)
     ev_log = StoreEventLog(settings(queue=rng.choice([8, 24, 1000]),
                                     max_live=rng.choice([6, 20, 1000])),
-                           TP, BS, lambda hs, g: [], 1, Counts(), (("full_attention", None),))
+                           TP, BS, lambda hs, g: [], 1, Counts(),
+                           (("full_attention", None), ("full_attention", None)))
     live: set = set()
     for _ in range(60):
         req = rng.choice(reqs)
         n = len(req.block_hashes)
         lo = rng.randrange(n)
         span = range(lo, rng.randrange(lo, n) + 1)
-        op = rng.randrange(7)
+        op, g = rng.randrange(7), rng.choice([0, 0, 1])  # two groups, the same hashes
         if op == 0:  # a save plan, sometimes with a gap
-            ev_log.planned(req, [i for i in span if rng.random() > 0.15], 0)
+            ev_log.planned(req, [i for i in span if rng.random() > 0.15], g)
         elif op == 1:  # one rank's or both ranks' reports, in part
             hashes = tuple(req.block_hashes[i] for i in span if rng.random() > 0.2)
             ranks = rng.choice([[0], [1], [0, 1]])
-            ev_log.landed([(r, 0, hashes) for r in ranks])
+            ev_log.landed([(r, g, hashes) for r in ranks])
         elif op == 2:
-            ev_log.loaded(req, span, 0, time.perf_counter())
+            ev_log.loaded(req, span, g, time.perf_counter())
         elif op == 3:  # the store lost some blocks
             gone = rng.sample(ev_log.live(), min(3, len(ev_log.live())))
             ev_log.missing(gone, "sweep", time.perf_counter())
@@ -118,7 +125,7 @@ def test_random_histories_keep_every_event_true(seed):
             again = []
             while batch := ev_log.take():
                 again += batch
-            assert {(0, h) for h, _, _ in said(again)} == live
+            assert said_live(again) == live
             check(ev_log, again, blocks, live)
             continue
         check(ev_log, ev_log.take(), blocks, live)
