@@ -153,10 +153,12 @@ class Ours:
                                            1 << 20), 1, BLOCK, self.keys.all_shard_keys, 1,
                              lambda *a, **k: None, (("full_attention", None),))
 
-    def _events_load(self, req: SimpleNamespace) -> int:
+    def _events_load(self, req: SimpleNamespace) -> tuple[StoreEventLog, int]:
+        """The event log, its blocks live after the events were taken (what the sweep walks),
+        and how many blocks the events announced."""
         log = self._events()
         log.loaded(req, range(len(req.block_hashes)), 0, 0.0)
-        return sum(len(e.block_hashes) for e in log.take())
+        return log, sum(len(e.block_hashes) for e in log.take())
 
     def _events_save(self, req: SimpleNamespace) -> int:
         log, n = self._events(), len(req.block_hashes)
@@ -208,10 +210,8 @@ class Ours:
         self._firsts.append(plan_group(self._caches, self._num_blocks, HEADS, 1).load)
         *out["load_prep_first"], _ = timed(lambda: self._prep(hashes, ids, self._firsts[-1]))
         *out["load_prep"], _ = timed(lambda: self._prep(hashes, ids))
-        *out["events_load"], announced = timed(lambda: self._events_load(req))
+        *out["events_load"], (log, announced) = timed(lambda: self._events_load(req))
         assert announced == len(ids), f"{announced} blocks announced of a hit of {len(ids)}"
-        log = self._events()
-        log.loaded(req, range(len(ids)), 0, 0.0)
         *out["events_sweep"], gone = timed(lambda: log.sweep(self.sweeper))
         assert gone == 0 and len(log.live()) == len(ids), f"the sweep removed {gone} blocks"
         self.sched.update_connector_output(SimpleNamespace(finished_sending=None,

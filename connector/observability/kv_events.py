@@ -286,7 +286,8 @@ class StoreEventLog:
         hashes = request.block_hashes
         keys = [(group, hashes[i]) for i in indices]
         runs, _ = _runs_of(request, indices, group, self._block_size)
-        for run in dict.fromkeys(runs):
+        distinct = list(dict.fromkeys(runs))
+        for run in distinct:
             run.index()  # made here, outside the lock, for `landed`
         with self._lock:
             planned, ranks = self._planned, self._ranks
@@ -294,7 +295,7 @@ class StoreEventLog:
                 del planned[key]  # planned again: a fresh attempt, last in line
                 ranks.pop(key, None)
             planned.update(zip(keys, runs, strict=True))
-            self._plans.setdefault(request.request_id, []).extend(dict.fromkeys(runs))
+            self._plans.setdefault(request.request_id, []).extend(distinct)
             while len(self._plans) > self.settings.queue:  # requests that never settled
                 self._plans.pop(next(iter(self._plans)))
             while len(planned) > self.settings.queue:
@@ -357,11 +358,11 @@ class StoreEventLog:
             return
         keys = [(group, request.block_hashes[i]) for i in indices]
         with self._lock:
-            live = self._live
-            new = [i for i, key in zip(indices, keys, strict=True) if key not in live]
+            fresh = [key not in self._live for key in keys]
+            new = list(itertools.compress(indices, fresh))
             if len(new) < len(keys):
-                self._confirm([key for key in keys if key in live], seen)
-                keys = [key for key in keys if key not in live]
+                self._confirm([k for k, f in zip(keys, fresh, strict=True) if not f], seen)
+                keys = list(itertools.compress(keys, fresh))
         runs, positions = _runs_of(request, new, group, self._block_size)  # outside the lock:
         with self._lock:                                                   # the sweep takes it
             self._announce(keys, runs, positions, seen)
