@@ -66,7 +66,8 @@ from connector.store.keys import KeyBuilder
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
 # Blocks probed by the first batch_is_exist: one master round trip covers a prefix of up to
-# 2048 tokens at 32 per block. Later windows grow 4x.
+# 2048 tokens at 32 per block. Later windows grow 4x, unless the prompt's last block is stored
+# (asked with the first window): then the rest goes in one call.
 FIRST_WINDOW = 64
 
 
@@ -344,6 +345,10 @@ class MooncakeStoreScheduler:
         """Longest prefix every group can restore, in tokens, and its event. Runs on the
         lookup executor. Blocks are probed in windows that grow 4x: full-attention groups
         from the left, sliding-window groups from the right (only their window is needed).
+        A full-attention group's first window also asks for the prompt's last block: if that
+        is stored, the whole prefix most likely is (a hit of a long prompt, which windows alone
+        take five round trips for at 8,192 blocks), and the rest is asked in one call; if not
+        (a stored prefix and a new suffix, or a miss), the windows go on, one key dearer.
         Past `deadline.at` (set once vLLM asks) it makes no further store call: a timeout,
         with the prefix that what was already probed proves."""
         t0 = time.perf_counter()
@@ -358,10 +363,16 @@ class MooncakeStoreScheduler:
             nonlocal probed
             if time.perf_counter() >= deadline.at:
                 raise _Late
-            lo, hi = (i, min(len(hashes), i + spans[g])) if self._groups[g].kind == FULL \
-                else (max(0, i + 1 - spans[g]), i + 1)
+            kn, last, tail = known[g], len(hashes) - 1, ()
+            if self._groups[g].kind != FULL:
+                lo, hi = max(0, i + 1 - spans[g]), i + 1
+            elif kn[last] == THERE:  # the prompt's last block is stored: the rest at once
+                lo, hi = i, last
+            else:
+                lo, hi = i, min(last + 1, i + spans[g])
+                tail = (hashes[last],) if hi <= last and not kn[last] else ()
             spans[g] *= 4
-            keys = self._keys.all_shard_keys(hashes[lo:hi], g)
+            keys = self._keys.all_shard_keys(hashes[lo:hi] + tail, g)
             probed += len(keys)
             res = self._store.require().batch_is_exist(keys)
             if min(res, default=0) < 0:
@@ -371,9 +382,12 @@ class MooncakeStoreScheduler:
             # miss, never a hit of blocks nobody asked about.
             n = self._shards
             there = bytes(res) if n == 1 else bytes(map(min, zip(*[iter(res)] * n, strict=True)))
-            if len(there) != hi - lo:
+            if len(there) != hi - lo + len(tail):
                 raise ValueError(f"batch_is_exist answered {len(res)} of {len(keys)} keys")
-            known[g][lo:hi] = there.translate(_STATES)
+            states = there.translate(_STATES)
+            kn[lo:hi] = states[:hi - lo]
+            if tail:
+                kn[last] = states[-1]
 
         def first_absent(g: int, lo: int, hi: int) -> int:
             while (i := _first_not_there(known[g], lo, hi)) < hi and not known[g][i]:

@@ -77,16 +77,49 @@ def test_hit_needs_every_rank_and_is_capped(sched, store_client):
     assert ask(sched, request("d", hashes("none", 4), 4 * BS + 1)) == (0, False)
 
 
+def lookup_keys(sched: MooncakeStoreScheduler) -> int:
+    return sched.recorder.snapshot().data["c"]["lookup_keys"]
+
+
 def test_a_gap_deep_in_a_later_window_ends_the_hit_there(sched, store_client):
     """The lookup reads each window's answers in one scan: a block missing far inside the
-    second window ends the hit at that block, one missing on one rank too, and no window
-    past the gap is asked for."""
+    second window ends the hit at that block, one missing on one rank too, and with the
+    prompt's last block not stored, no window past the gap is asked for."""
     hs = hashes("gap", 400)
-    store_blocks(store_client, sched, hs[:150] + hs[151:])  # all but block 150
+    store_blocks(store_client, sched, hs[:150] + hs[151:399])  # all but blocks 150 and 399
     store_blocks(store_client, sched, hs[150:151], ranks=(0,))  # block 150: rank 0 only
     assert ask(sched, request("g", hs, 400 * BS + 1)) == (150 * BS, True)
-    probed = sched.recorder.snapshot().data["c"]["lookup_keys"]
-    assert probed == (FIRST_WINDOW + 4 * FIRST_WINDOW) * 2  # two windows, two ranks' keys
+    # Two windows, the first with the last block; two ranks' keys.
+    assert lookup_keys(sched) == (FIRST_WINDOW + 1 + 4 * FIRST_WINDOW) * 2
+
+
+def store_client_calls(sched: MooncakeStoreScheduler):
+    """Count the scheduler's existence checks from now on; returns the count so far."""
+    calls: list[int] = []
+
+    class Counting(CallRecorder):
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            calls.append(len(keys))
+            return self._client.batch_is_exist(keys)
+
+    sched._store.client = Counting(sched._store.require())
+    return lambda: len(calls)
+
+
+def test_a_stored_last_block_asks_for_the_rest_at_once(sched, store_client):
+    """A long prompt whose last block is stored is a hit in two store calls (the first window
+    with the last block, then the rest), every block asked once; a gap in the rest still ends
+    the hit there."""
+    hs = hashes("whole", 400)  # windows alone: 64, 256, then the rest
+    store_blocks(store_client, sched, hs)
+    calls = store_client_calls(sched)
+    assert ask(sched, request("w", hs, 400 * BS + 1)) == (400 * BS, True)
+    assert lookup_keys(sched) == 400 * 2 and calls() == 2
+    gap = hashes("whole-gap", 400)
+    store_blocks(store_client, sched, gap[:300] + gap[301:])
+    calls = store_client_calls(sched)
+    assert ask(sched, request("g", gap, 400 * BS + 1)) == (300 * BS, True)
+    assert lookup_keys(sched) == 400 * 2 and calls() == 2  # counted since the last read
 
 
 def test_failed_load_is_not_retried(sched, store_client):
