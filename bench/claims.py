@@ -997,8 +997,22 @@ def control_path(r: Runs) -> str:
                 f"{slope:.2f} ms per 1,000 blocks. Target {t:g} ms per 1,000 blocks end to end: "
                 + "; ".join(verdicts) + ". Keys and addresses below the in-tree connector's: "
                 + (f"**missed** at {', '.join(slower)} tokens" if slower
-                   else "met at every size") + "." + _sweep_round(last), ""]
+                   else "met at every size") + "." + _exist_absent(last) + _sweep_round(last),
+            ""]
     return "\n".join(out)
+
+
+def _exist_absent(row: dict[str, Any]) -> str:
+    """The master's existence check of keys it does not hold, beside the same number it does
+    (recorded since it was measured): what a hit costs the master per key."""
+    absent = row["store"].get("exist_absent")
+    if absent is None:
+        return ""
+    there = row["store"]["exist_call"]["wall_ms"]
+    return (f" The master's existence check of {row['blocks']:,} keys took {there:.2f} ms when "
+            f"it held every one, {absent['wall_ms']:.2f} ms when it held none: it leases each "
+            f"object it finds, so most of a hit's check is the master's work per found key, "
+            f"{(there - absent['wall_ms']) / row['blocks'] * 1e3:.2f} ms per 1,000.")
 
 
 def _sweep_round(row: dict[str, Any]) -> str:

@@ -34,7 +34,9 @@ Steps, each timed on its own (wall and this process's CPU, which counts every th
 "End to end" sums every step but `load_prep_first` and the events: what a request costs an
 engine that has run a while; "with KV events" adds both event steps (not the sweep). Beside them,
 `exist_call`: Mooncake's batch existence check of every key of the prompt alone, one call from
-a plain client (the store's own share of a lookup).
+a plain client (the store's own share of a lookup); and `exist_absent`, the same call for as
+many keys the store does not hold (the save's): the master leases each object it finds, so
+the two differ by what a hit costs it per key.
 In-tree, on the same hashes, block ids and KV tensors: `keys` (`RankLocalStoreLayout.key_for`
 per block, as its scheduler and worker build them) and `prepare_values` (its address lists,
 vectorised in vllm#48531). Its scheduler's lookup needs a running engine's config and is not
@@ -308,11 +310,14 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
                 meter.start()
                 for n in order:
                     keys = ours.keys.all_shard_keys(hashes[:n])
+                    absent = ours.keys.all_shard_keys(fresh[:n])
                     for name, res in (("ours", ours.hit(hashes[:n], ids[:n])),
                                       ("ours", ours.save(fresh[:n], ids[:n])),
                                       ("in_tree", intree.run(hashes[:n], ids[:n])),
                                       ("store", {"exist_call": timed(
-                                          lambda k=keys: client.batch_is_exist(k))[:2]})):
+                                          lambda k=keys: client.batch_is_exist(k))[:2],
+                                                 "exist_absent": timed(
+                                          lambda k=absent: client.batch_is_exist(k))[:2]})):
                         for step, v in res.items():
                             if rnd:
                                 samples.setdefault((name, n), {}).setdefault(step, []).append(v)

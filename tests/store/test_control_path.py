@@ -21,9 +21,10 @@ def test_the_bench_times_every_step_of_both_connectors():
         # bench asserts it asked the master and found every live block.
         assert set(row["ours"]) == steps | events | {"load_prep_first", "events_sweep"}
         assert set(row["in_tree"]) == {"keys", "prepare_values"}
-        assert set(row["store"]) == {"exist_call"}
+        assert set(row["store"]) == {"exist_call", "exist_absent"}
         assert row["ours"]["lookup"]["wall_ms"] > 0  # a master round trip at least
         assert row["store"]["exist_call"]["wall_ms"] > 0
+        assert row["store"]["exist_absent"]["wall_ms"] > 0
         # End to end: an engine that has run a while (the lists kept), the first use apart.
         assert row["ours_end_to_end_ms"] == pytest.approx(
             sum(row["ours"][s]["wall_ms"] for s in steps), abs=2e-3)
