@@ -22,6 +22,7 @@ dimension; any stride order inside a block (head-major or token-major) works.
 from __future__ import annotations
 
 import itertools
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,10 +182,14 @@ class ObjectPlan:
         return [row or made[u] for u, row in zip(units, got, strict=True)], [sizes] * len(units)
 
     def _make(self, units: list[int]) -> list[tuple[int, ...]]:
+        """Each unit's run addresses, a tuple of Python ints per unit, made in one C pass
+        from the int64 rows: `tolist()` made a list per unit first, as many objects again
+        for the garbage collector to walk while they were made, and its passes over them
+        grew faster than the blocks (docs/performance.md, first use)."""
         u = np.asarray(units, dtype=np.int64)
         blocks, piece = np.divmod(u, self.pieces)
-        return list(map(tuple, (blocks[:, None] * self.strides[None, :]
-                                + self.bases[piece]).tolist()))
+        rows = blocks[:, None] * self.strides[None, :] + self.bases[piece]
+        return list(struct.Struct(f"={rows.shape[1]}q").iter_unpack(rows.tobytes()))
 
 
 @dataclass(frozen=True)
