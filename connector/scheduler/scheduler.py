@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -53,6 +53,7 @@ from connector.observability.events import LookupEvent, Publisher
 from connector.observability.stats import StatsRecorder
 from connector.observability.ttft import LoadTimes, RequestClock
 from connector.scheduler.load_failures import in_step_allowed
+from connector.scheduler.prefix_probe import Late, PrefixProbe
 from connector.scheduler.step_loads import StepLoadPolicy
 from connector.store.client import (
     EXCEPTION_CODE,
@@ -60,15 +61,11 @@ from connector.store.client import (
     StoreHandle,
     error_code_label,
 )
-from connector.store.groups import FULL, ONE_FULL, GroupSpec, window_hit
+from connector.store.groups import FULL, ONE_FULL, GroupSpec
 from connector.store.keys import KeyBuilder
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
-# Blocks probed by the first batch_is_exist: one master round trip covers a prefix of up to
-# 2048 tokens at 32 per block. Later windows grow 4x, unless the prompt's last block is stored
-# (asked with the first window): then the rest goes in one call.
-FIRST_WINDOW = 64
 
 
 @dataclass
@@ -92,31 +89,6 @@ class _Lookup:
     future: cf.Future
     started: float  # perf_counter at submit
     deadline: _Deadline  # lookup_timeout_s from when vLLM first asks; inf until then
-
-
-class _Late(Exception):
-    """A lookup reached its deadline before its next store call."""
-
-
-# A lookup's knowledge of each block (`_lookup`), and batch_is_exist's answers (0: absent,
-# 1: there) as those states.
-UNKNOWN, THERE, GONE = 0, 1, 2
-_STATES = bytes([GONE, THERE] + [GONE] * 254)
-
-
-def _first_not_there(known: bytearray, lo: int, hi: int) -> int:
-    """First block of [lo, hi) not known to be stored (unknown or gone); `hi` if none."""
-    end = known.find(UNKNOWN, lo, hi)
-    end = hi if end < 0 else end
-    gone = known.find(GONE, lo, end)
-    return end if gone < 0 else gone
-
-
-def _positions(known: bytearray, state: int) -> Iterator[int]:
-    i = known.find(state)
-    while i >= 0:
-        yield i
-        i = known.find(state, i + 1)
 
 
 class MooncakeStoreScheduler:
@@ -343,77 +315,38 @@ class MooncakeStoreScheduler:
     def _lookup(self, hashes: tuple[bytes, ...], deadline: _Deadline
                 ) -> tuple[int, LookupEvent]:
         """Longest prefix every group can restore, in tokens, and its event. Runs on the
-        lookup executor. Blocks are probed in windows that grow 4x: full-attention groups
-        from the left, sliding-window groups from the right (only their window is needed).
-        A full-attention group's first window also asks for the prompt's last block: if that
-        is stored, the whole prefix most likely is (a hit of a long prompt, which windows alone
-        take five round trips for at 8,192 blocks), and the rest is asked in one call; if not
-        (a stored prefix and a new suffix, or a miss), the windows go on, one key dearer.
-        Past `deadline.at` (set once vLLM asks) it makes no further store call: a timeout,
-        with the prefix that what was already probed proves."""
+        lookup executor (`PrefixProbe`: its windows and round trips). Past `deadline.at`
+        (set once vLLM asks) it makes no further store call: a timeout, with the prefix that
+        what was already probed proves."""
         t0 = time.perf_counter()
-        found, probed, code, late = 0, 0, "", False
-        # Per group and block: UNKNOWN until probed, then THERE or GONE. Bytes, so that the
-        # scans over a 128K-token prompt's 8,192 blocks run in C (bytearray.find).
-        known = [bytearray(len(hashes)) for _ in self._groups]
-        spans = [FIRST_WINDOW] * len(self._groups)
-
-        def probe(g: int, i: int) -> None:
-            """One store call: the window of group `g` that holds block `i`."""
-            nonlocal probed
-            if time.perf_counter() >= deadline.at:
-                raise _Late
-            kn, last, tail = known[g], len(hashes) - 1, ()
-            if self._groups[g].kind != FULL:
-                lo, hi = max(0, i + 1 - spans[g]), i + 1
-            elif kn[last] == THERE:  # the prompt's last block is stored: the rest at once
-                lo, hi = i, last
-            else:
-                lo, hi = i, min(last + 1, i + spans[g])
-                tail = (hashes[last],) if hi <= last and not kn[last] else ()
-            spans[g] *= 4
-            keys = self._keys.all_shard_keys(hashes[lo:hi] + tail, g)
-            probed += len(keys)
-            res = self._store.require().batch_is_exist(keys)
-            if min(res, default=0) < 0:
-                self._store.check(res)
-                raise StoreError(error_code_label(min(res)))
-            # A block is there if every shard is (1; 0: absent). A short answer raises: a
-            # miss, never a hit of blocks nobody asked about.
-            n = self._shards
-            there = bytes(res) if n == 1 else bytes(map(min, zip(*[iter(res)] * n, strict=True)))
-            if len(there) != hi - lo + len(tail):
-                raise ValueError(f"batch_is_exist answered {len(res)} of {len(keys)} keys")
-            states = there.translate(_STATES)
-            kn[lo:hi] = states[:hi - lo]
-            if tail:
-                kn[last] = states[-1]
-
-        def first_absent(g: int, lo: int, hi: int) -> int:
-            while (i := _first_not_there(known[g], lo, hi)) < hi and not known[g][i]:
-                probe(g, i)
-                lo = i
-            return i
-
+        probe = PrefixProbe(hashes, self._groups, self._shards, self._block_size,
+                            self._keys.all_shard_keys, self._exist)
+        found, code, late = 0, "", False
         try:
-            found = window_hit(self._groups, first_absent, len(hashes), self._block_size)
-        except _Late:
-            late = True
-            found = window_hit(self._groups, lambda g, lo, hi: _first_not_there(known[g], lo, hi),
-                               len(hashes), self._block_size)
+            found = probe.run(deadline)
+        except Late:
+            late, found = True, probe.proven()
         except Exception as e:  # noqa: BLE001 - any failure is a miss, counted by code
             code = e.code if isinstance(e, StoreError) else EXCEPTION_CODE
             logger.warning("store lookup failed (%s); treating as a miss", e)
             found = 0
         if self.kv_events is not None:  # an announced block a probe missed is gone
-            self.kv_events.missing(((g, hashes[i]) for g, kn in enumerate(known)
-                                    for i in _positions(kn, GONE)), "lookup", t0)
+            self.kv_events.missing(probe.gone(), "lookup", t0)
         hit_tokens = found * self._block_size
         result = "error" if code else "timeout" if late else ("hit" if found else "miss")
         t_end = time.perf_counter()
-        return hit_tokens, LookupEvent(result, probed, hit_tokens,
+        return hit_tokens, LookupEvent(result, probe.keys_asked, hit_tokens,
                                        (len(hashes) - found) * self._block_size,
                                        t_end - t0, code, t_end)
+
+    def _exist(self, keys: list[str]) -> list[int]:
+        """The store's batch existence check; a store error code raises (and may open the
+        breaker)."""
+        res = self._store.require().batch_is_exist(keys)
+        if min(res, default=0) < 0:
+            self._store.check(res)
+            raise StoreError(error_code_label(min(res)))
+        return res
 
     # ---- allocation and per-step metadata --------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int

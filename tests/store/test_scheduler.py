@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from connector.config import load_config
-from connector.scheduler.scheduler import FIRST_WINDOW, MooncakeStoreScheduler
+from connector.scheduler.prefix_probe import FIRST_WINDOW
+from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.client import StoreUnavailable
 from connector.store.keys import KeyBuilder, Layout
 from devkit.local_cluster import MooncakeMaster

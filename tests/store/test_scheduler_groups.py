@@ -12,7 +12,8 @@ import pytest
 from vllm.v1.core.block_pool import BlockPool
 
 from connector.config import load_config
-from connector.scheduler.scheduler import FIRST_WINDOW, MooncakeStoreScheduler
+from connector.scheduler.prefix_probe import FIRST_WINDOW
+from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.groups import FULL, ONE_FULL, SLIDING, GroupSpec
 from connector.store.keys import KeyBuilder, Layout
 from tests.store.test_scheduler import BS, ask, request, step_output
