@@ -153,6 +153,14 @@ KEYS: tuple[Key, ...] = (
         "it is moved in several calls. Those of the receive threads taking jobs and of the "
         "in-step thread are registered at startup, so no first store hit waits for it",
         lo=4096, hi=2**30, shown="`16MB`"),
+    Key("address_cache_size", "size", 64 * 2**20,
+        "host memory per KV cache group and TP rank for the buffer address lists that "
+        "transfers of its blocks take (a Python integer per layer and block), made on a "
+        "block's first use and kept while the KV cache is "
+        "registered; a block past it has its list made on every use, CPU on the receive and "
+        "save threads in proportion to layers times blocks. The startup log says how many "
+        "of the KV cache's blocks it covers; 0 keeps none",
+        lo=0, hi=64 * 2**30, shown="`64MB`", fix="a size such as 256MB, or 0"),
     Key("preload_buffer_size", "size", 256 * 2**20,
         "host memory per TP rank, registered with the store, into which the store prefixes "
         "of queued requests (found by `lookup_ahead` lookups) are read before vLLM schedules "
@@ -471,6 +479,7 @@ class ConnectorConfig:
     load_threads_auto: bool = False  # adapt the active count online (connector/worker/autotune.py)
     load_split_blocks: int = _d("load_split_blocks")
     staging: str = _d("staging")
+    address_cache_size: int = _d("address_cache_size")
     preload_buffer_size: int = _d("preload_buffer_size")
     staging_buffer_size: int = _d("staging_buffer_size")
     sync_load_ms: float = _d("sync_load_ms")

@@ -69,7 +69,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("load_queue_wait_seconds", "histogram", _T, "Time a load job waited in the shared queue before a thread took it.",
            "Would more threads cut load latency?"),
     Family("load_prepare_seconds", "histogram", _T, "Python preparation of a load job (keys, addresses) before any store call.",
-           "Is preparation (GIL) the bottleneck?"),
+           "Is preparation (GIL) the bottleneck? (High on long prompts: does address_cache_size "
+           "cover the KV cache's blocks? The worker's startup log says.)"),
     Family("load_master_lookup_seconds", "histogram", _T, "Master replica lookup for a load job's keys (sampled jobs).",
            "Is the Mooncake master slow?"),
     Family("load_transfer_seconds", "histogram", _T, "Data phase of a load: the batch get minus the master lookup.",

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from connector.config import BY_NAME
+
 
 class LayoutError(ValueError):
     """The KV cache tensors have a shape this connector cannot address."""
@@ -119,10 +121,10 @@ def _runs(r: _Region, heads: tuple[int, int], shard: tuple[int, int], local0: in
     return runs, acc * r.es
 
 
-# Bytes of address lists an ObjectPlan keeps (see ObjectPlan.addresses): a Python int and its
-# slot per run and unit, and a row's own header.
-ADDRESS_CACHE_BYTES = 64 * 2**20
+# What an ObjectPlan counts per kept address list (see ObjectPlan.addresses): a Python int and
+# its slot per run, and the row's own header.
 _INT_BYTES, _ROW_BYTES = 40, 64
+ADDRESS_CACHE_DEFAULT = BY_NAME["address_cache_size"].default
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ class ObjectPlan:
     storages: tuple[tuple[int, int], ...]  # unique (ptr, nbytes) to register with the store
     on_cuda: bool
     region_storages: tuple[torch.UntypedStorage, ...] = ()  # [R]: the memory each run is in
+    cache_bytes: int = ADDRESS_CACHE_DEFAULT  # address_cache_size: see `addresses`
     _rows: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -165,8 +168,8 @@ class ObjectPlan:
         (any sequence). Making the Python ints of the addresses is most of what a long
         prompt's load or save costs before its store call (one per run and block:
         docs/performance.md), and a unit's addresses never change while its KV cache is
-        registered: so each unit's are made once and kept, up to about ADDRESS_CACHE_BYTES
-        per plan (the units first used; past that, made per call). Kept as tuples of ints,
+        registered: so each unit's are made once and kept, up to about `cache_bytes` per
+        plan (`kept_units`, the units first used; past that, made per call). Kept as tuples of ints,
         which the garbage collector stops tracking: kept lists would be walked by every
         full collection of the worker process."""
         rows = self._rows
@@ -176,10 +179,20 @@ class ObjectPlan:
             return got, [sizes] * len(units)
         todo = [u for u, row in zip(units, got, strict=True) if row is None]
         made = dict(zip(todo, self._make(todo), strict=True))
-        room = ADDRESS_CACHE_BYTES // (len(sizes) * _INT_BYTES + _ROW_BYTES) - len(rows)
+        room = self.kept_units - len(rows)
         if room > 0:  # threads may add at once: the bound holds to within one call each
             rows.update(itertools.islice(made.items(), room))
         return [row or made[u] for u, row in zip(units, got, strict=True)], [sizes] * len(units)
+
+    @property
+    def row_bytes(self) -> int:
+        """What one unit's kept address list counts against `cache_bytes`."""
+        return len(self.sizes) * _INT_BYTES + _ROW_BYTES
+
+    @property
+    def kept_units(self) -> int:
+        """How many units' address lists `cache_bytes` holds."""
+        return self.cache_bytes // self.row_bytes
 
     def _make(self, units: list[int]) -> list[tuple[int, ...]]:
         """Each unit's run addresses, a tuple of Python ints per unit, made in one C pass
@@ -221,10 +234,11 @@ def interior_order(kv_cache_layout: Any) -> tuple[int, ...] | None:
 
 def plan_group(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, heads: int,
                shards: int, tp_size: int = 1, tp_rank: int = 0,
-               layout_order: tuple[int, ...] | None = None) -> GroupIO:
+               layout_order: tuple[int, ...] | None = None,
+               address_cache: int = ADDRESS_CACHE_DEFAULT) -> GroupIO:
     """The plans of one group (its layers' tensors, in order) on rank `tp_rank`, with the
     model's `heads` KV heads split into `shards` store objects per block. `layout_order`:
-    `interior_order` of vLLM's KV cache layout."""
+    `interior_order` of vLLM's KV cache layout; `address_cache`: `address_cache_size`."""
     regions = _regions(kv_caches, num_blocks, layout_order)
     local, primary = rank_heads(heads, tp_size, tp_rank)
     per_shard = heads // shards
@@ -275,7 +289,7 @@ def plan_group(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, heads: in
         src_offsets=None if whole else tuple(x[1] for x in runs), object_bytes=obj,
         storages=tuple(storages.items()),
         on_cuda=any(r.storage.device.type == "cuda" for r in regions),
-        region_storages=tuple(x[3] for x in runs))
+        region_storages=tuple(x[3] for x in runs), cache_bytes=address_cache)
     def describe(r: _Region) -> str:
         shape = (per_shard,) + r.shape[1:] if r.shape[0] == n_local else r.shape
         return (f"{r.name}:[{','.join(map(str, shape))}]o[{','.join(map(str, r.order(shape)))}]"

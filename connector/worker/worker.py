@@ -231,13 +231,26 @@ class MooncakeStoreWorker:
         self._get_context = getattr(sub, "get_context", self._get_context)
 
     # ---- registration ----------------------------------------------------------------------
+    def _log_address_cache(self, group: int, plan: ObjectPlan) -> None:
+        """How many of the KV cache's blocks keep their address lists (the rest have theirs
+        made on every use), and what would keep them all."""
+        units = self._num_blocks * plan.pieces
+        kept = min(units, plan.kept_units)
+        whole = -(-units * plan.row_bytes // 2**20)  # MB, rounded up
+        logger.info("KV cache group %d: address lists kept for %d of %d blocks "
+                    "(address_cache_size=%gMB%s)", group, kept // plan.pieces, self._num_blocks,
+                    plan.cache_bytes / 2**20,
+                    f"; {whole}MB would keep them all" if kept < units else "")
+
     def register_kv_caches(self, kv_caches: dict[str, Any], attn_backend: str = "") -> None:
         lay = self._keys.layout
         self._io = tuple(
             plan_group({n: kv_caches[n] for n in g.layers} if g.layers else kv_caches,
                        self._num_blocks, lay.num_kv_heads, lay.shards, lay.tp_size,
-                       self.tp_rank, self._layout_order)
+                       self.tp_rank, self._layout_order, self.config.address_cache_size)
             for g in self._groups)
+        for g, io in enumerate(self._io):
+            self._log_address_cache(g, io.load)
         self._keys = self._keys.with_signature(layout_signature(
             attn_backend, self._groups, [io.description for io in self._io]))
         self._layout_labels = tuple(

@@ -6,6 +6,7 @@ own is frozen (SIGSTOP) under a save.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -16,7 +17,7 @@ import connector.worker.recv_pool as recv_pool
 from connector.metadata import BlockTransfer, StepMetadata
 from devkit.local_cluster import MooncakeMaster, StoreNode, local_pool
 from devkit.processes import freeze, frozen, thaw
-from tests.worker_kit import hashes, kv_caches, run_step, settled_saves, wait_until
+from tests.worker_kit import NUM_BLOCKS, hashes, kv_caches, run_step, settled_saves, wait_until
 
 
 @pytest.fixture
@@ -50,6 +51,24 @@ def test_saved_blocks_load_back_byte_exact(make_worker, write_mode, read_mode):
     for name in src:
         assert torch.equal(dst[name][:, 20:28], src[name][:, 0:8])
         assert not dst[name][:, 0:8].any()  # nothing written outside the target blocks
+
+
+def test_address_cache_size_bounds_the_kept_lists_and_the_log_says_so(make_worker, caplog):
+    """address_cache_size bounds the address lists a worker keeps, and its startup log says
+    how many of the KV cache's blocks they cover and what would cover them all."""
+    caplog.set_level(logging.INFO, logger="vllm.connector.worker.worker")
+    whole = make_worker()
+    row = whole._io[0].load.row_bytes
+    small = make_worker(prefix="address-cache", address_cache_size=5 * row)
+    plan = small._io[0].load
+    assert plan.kept_units == 5 and whole._io[0].load.kept_units >= NUM_BLOCKS
+    plan.addresses(list(range(NUM_BLOCKS)))
+    assert len(plan._rows) == 5, "kept past address_cache_size"
+    lines = [r.getMessage() for r in caplog.records if "address lists kept" in r.getMessage()]
+    assert lines[0].endswith(f"kept for {NUM_BLOCKS} of {NUM_BLOCKS} blocks "
+                             "(address_cache_size=64MB)")
+    assert lines[1].startswith(f"KV cache group 0: address lists kept for 5 of {NUM_BLOCKS} ")
+    assert lines[1].endswith("; 1MB would keep them all)")
 
 
 def test_burst_spreads_over_all_threads(make_worker):

@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from connector.worker import kv_regions
 from connector.worker.kv_regions import LayoutError, compute_regions, interior_order, plan_group
 from tests.unit.test_staging import NB, layouts
 from tests.worker_kit import vllm_caches
@@ -32,16 +31,14 @@ def test_each_region_is_the_tensor_slice_of_its_block_in_order(name):
     assert regions.block_bytes == sum(sizes[0]) and not regions.on_cuda
 
 
-def test_address_lists_are_made_once_per_unit_and_kept_within_their_bound(monkeypatch):
+def test_address_lists_are_made_once_per_unit_and_kept_within_their_bound():
     """A unit's address list is made on its first use and the same list is handed out after
-    (a long prompt's lists are most of its preparation); past the bound, lists are made per
-    call, and every answer is the unit's addresses whatever was kept."""
+    (a long prompt's lists are most of its preparation); past the bound (address_cache_size),
+    lists are made per call, and every answer is the unit's addresses whatever was kept."""
     caches = layouts()["kv_split_dim1"]
     fresh = compute_regions(caches, NB)
-    runs = len(fresh.sizes)
-    monkeypatch.setattr(kv_regions, "ADDRESS_CACHE_BYTES",
-                        3 * (runs * kv_regions._INT_BYTES + kv_regions._ROW_BYTES))
-    plan = compute_regions(caches, NB)
+    plan = plan_group(caches, NB, 1, 1, address_cache=3 * fresh.row_bytes).load
+    assert plan.kept_units == 3
     units = [5, 2, 5, NB - 1, 0, 7]
     first, sizes = plan.addresses(units)
     expected = [fresh._make([u])[0] for u in units]
