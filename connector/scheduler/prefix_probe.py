@@ -60,7 +60,7 @@ class PrefixProbe:
                  exist: Callable[[list[str]], list[int]]) -> None:
         self._hashes, self._groups, self._shards = tuple(hashes), groups, shards
         self._block_size, self._keys, self._exist = block_size, keys, exist
-        self.known = [bytearray(len(hashes)) for _ in groups]
+        self._known = [bytearray(len(hashes)) for _ in groups]
         self._spans = [FIRST_WINDOW] * len(groups)
         self.keys_asked = 0
 
@@ -68,7 +68,7 @@ class PrefixProbe:
         """The hit, in blocks: the longest prefix every group can restore."""
 
         def first_absent(g: int, lo: int, hi: int) -> int:
-            known = self.known[g]
+            known = self._known[g]
             while (i := _first_not_there(known, lo, hi)) < hi and not known[i]:
                 self._probe(g, i, deadline)
                 lo = i
@@ -79,12 +79,12 @@ class PrefixProbe:
     def proven(self) -> int:
         """The hit that what was asked so far proves (after `Late`)."""
         return window_hit(self._groups,
-                          lambda g, lo, hi: _first_not_there(self.known[g], lo, hi),
+                          lambda g, lo, hi: _first_not_there(self._known[g], lo, hi),
                           len(self._hashes), self._block_size)
 
     def gone(self) -> Iterator[tuple[int, bytes]]:
         """(group, hash) of each block a store call found absent."""
-        for g, known in enumerate(self.known):
+        for g, known in enumerate(self._known):
             i = known.find(GONE)
             while i >= 0:
                 yield g, self._hashes[i]
@@ -94,7 +94,7 @@ class PrefixProbe:
         """One store call: the window of group `g` that holds block `i`."""
         if time.perf_counter() >= deadline.at:
             raise Late
-        known, hashes, spans = self.known[g], self._hashes, self._spans
+        known, hashes, spans = self._known[g], self._hashes, self._spans
         last, tail = len(hashes) - 1, ()
         if self._groups[g].kind != FULL:
             lo, hi = max(0, i + 1 - spans[g]), i + 1
