@@ -27,7 +27,7 @@ Steps, each timed on its own (wall and this process's CPU, which counts every th
   landed, then taken for vLLM's publisher (`take`). A fresh event log each time: a block's
   first announcement, not a repeat of one still live;
 - `events_sweep`: one round of the KV events' removal sweep over the hit's blocks, live
-  (`StoreEventLog.sweep`: every block's keys asked of the master's admin port, 64 blocks a
+  (`StoreEventLog.sweep`: every block's keys asked of the master's admin port, 256 keys a
   request, on one kept-alive connection, as the sweep thread does). Not a per-request cost: a
   round runs every `kv_events_sweep_s` over every live block (up to `kv_events_max_live`), on
   the scheduler's process.

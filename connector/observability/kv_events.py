@@ -50,11 +50,15 @@ from vllm.distributed.kv_events import (
 )
 
 from connector.observability.kv_event_settings import EventSettings
-from connector.store.master_http import MasterKeys
+from connector.store.master_http import MasterKeys, UrlTooLong
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
-SWEEP_BATCH = 64  # blocks per /batch_query_keys request
+# Keys per /batch_query_keys request of the removal sweep: about 28 KB of URL. Fewer, larger
+# requests cost the scheduler's process less CPU (http.client's work is per request); a
+# proxy that refuses such URLs (HTTP 414 or 431) gets SWEEP_KEYS_SHORT (about 5 KB) from
+# then on.
+SWEEP_KEYS, SWEEP_KEYS_SHORT = 256, 48
 _MASK64 = (1 << 64) - 1
 
 
@@ -271,6 +275,7 @@ class StoreEventLog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sweep_failing = False
+        self._sweep_keys = SWEEP_KEYS
 
     def _announced(self, group: int) -> bool:
         kind = self._spec[group][0] if group < len(self._spec) else None
@@ -596,18 +601,25 @@ class StoreEventLog:
         A batch whose query fails raises (nothing is removed on a guess)."""
         own = client is None
         client = client or MasterKeys(self.settings.master_http)
-        blocks, removed = self.live(), 0
+        blocks, removed, i = self.live(), 0, 0
         try:
-            for i in range(0, len(blocks), SWEEP_BATCH):
-                if self._stop.is_set():
-                    break
-                batch = blocks[i:i + SWEEP_BATCH]
+            while i < len(blocks) and not self._stop.is_set():
+                batch = blocks[i:i + max(1, self._sweep_keys // self._shards)]
                 keys = self._batch_keys(batch)
                 t0 = time.perf_counter()
-                present = client.query([k for ks in keys for k in ks])
+                try:
+                    present = client.query([k for ks in keys for k in ks])
+                except UrlTooLong as e:
+                    if self._sweep_keys == SWEEP_KEYS_SHORT:
+                        raise
+                    self._sweep_keys = SWEEP_KEYS_SHORT
+                    logger.warning("KV event sweep: %s; asking %d keys a request from now on",
+                                   e, SWEEP_KEYS_SHORT)
+                    continue
                 gone = [b for b, ks in zip(batch, keys, strict=True)
                         if not all(present.get(k, False) for k in ks)]
                 removed += self.missing(gone, "sweep", t0)
+                i += len(batch)
         finally:
             if own:
                 client.close()

@@ -17,7 +17,7 @@ _PERCENT = ord("%")
 def quote(text: str) -> str:
     """`urllib.parse.quote(text, safe="")`, the same for every input: the standard library
     quotes byte by byte in Python, which cost a sweep round most of its CPU (a store key is
-    about a hundred characters, a query 64 keys). ASCII text keeps only the bytes to escape
+    about a hundred characters, a query hundreds of keys). ASCII text keeps only the bytes to escape
     (one `bytes.translate` in C), each then replaced in C ('%' first, as the escapes bring
     more); other text goes to the standard library."""
     if not text.isascii():
@@ -62,6 +62,11 @@ def held(raw: bytes) -> dict[str, bool]:
             for k, v in (body.data or {}).items()}
 
 
+class UrlTooLong(RuntimeError):
+    """Something on the way to the admin port refused the query's URL as too long (HTTP 414
+    or 431): a proxy's limit; the master itself takes them at 100 KB and more."""
+
+
 class MasterKeys:
     """Which keys the master holds a complete replica of (memory or disk), from its HTTP admin
     port's /batch_query_keys (grants no lease), over one kept-alive connection. Raises on any
@@ -81,6 +86,9 @@ class MasterKeys:
                                + quote(",".join(keys)))
             resp = self._conn.getresponse()
             raw = resp.read()
+            if resp.status in (414, 431):
+                raise UrlTooLong(f"batch_query_keys answered HTTP {resp.status} to "
+                                 f"{len(keys)} keys")
             if resp.status != 200:
                 raise RuntimeError(f"batch_query_keys answered HTTP {resp.status}")
         except Exception:

@@ -20,10 +20,15 @@ from vllm.v1.outputs import KVConnectorOutput
 from connector.config import load_config
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.observability.kv_event_settings import EventSettings
-from connector.observability.kv_events import StoreEventLog, WorkerLanded, external_hash
+from connector.observability.kv_events import (
+    SWEEP_KEYS,
+    StoreEventLog,
+    WorkerLanded,
+    external_hash,
+)
 from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.keys import KeyBuilder, Layout
-from connector.store.master_http import query_keys
+from connector.store.master_http import query_keys, quote
 from connector.worker.worker import MooncakeStoreWorker
 from devkit.local_cluster import HOST, free_port, local_pool
 from tests.worker_kit import LAYERS, NUM_BLOCKS, hashes, kv_caches, run_step
@@ -169,6 +174,20 @@ def test_query_keys_grants_no_lease():
         assert client.remove("kvev-a") == 0
         assert client.batch_is_exist(["kvev-b"]) == [1]
         assert client.remove("kvev-b") == -706  # OBJECT_HAS_LEASE
+
+
+def test_the_master_answers_a_query_of_sweep_keys_real_keys():
+    """The sweep asks SWEEP_KEYS keys a request: the admin port takes that URL (about 28 KB
+    of store keys) and answers every key."""
+    with local_pool("16MB") as (master, _node):
+        client = client_on(master)
+        keys = [f"mcpool/Llama-3.1-70B-Instruct/0123456789abcdef/g0s0of1/{i:064x}"
+                for i in range(SWEEP_KEYS)]
+        assert put(client, keys[:3]) == [0, 0, 0]
+        url_bytes = len(quote(",".join(keys)))
+        assert url_bytes > 25_000, url_bytes
+        assert query_keys(f"{HOST}:{master.metrics_port}", keys) == {
+            k: i < 3 for i, k in enumerate(keys)}
 
 
 def test_sweep_announces_removed_and_evicted_blocks_only():

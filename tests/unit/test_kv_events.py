@@ -18,6 +18,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from connector.config import ConfigError, load_config
 from connector.observability.kv_event_settings import EventSettings, event_settings
 from connector.observability.kv_events import (
+    SWEEP_KEYS,
+    SWEEP_KEYS_SHORT,
     LandedShards,
     StoreEventLog,
     WorkerLanded,
@@ -26,6 +28,7 @@ from connector.observability.kv_events import (
     vllm_clears,
 )
 from connector.scheduler.engine_wakeup import EngineWakeup
+from connector.store.master_http import UrlTooLong
 from connector.worker.worker import _landed
 
 BASE = {"master_server_address": "10.1.2.3:50051",
@@ -324,6 +327,39 @@ def test_a_sweep_removes_a_block_any_of_whose_shards_is_gone_in_its_own_group():
         (1, req.block_hashes[1])}
     assert sorted(k for ks in asked for k in ks) == sorted(
         f"g{g}/{h.hex()}/s{s}" for g in (0, 1) for h in req.block_hashes for s in (0, 1))
+
+
+def test_a_sweep_asks_fewer_keys_a_request_once_a_proxy_refuses_its_urls(caplog):
+    """The sweep asks SWEEP_KEYS keys a request (a block's shards together); a URL refused as
+    too long (HTTP 414/431) makes it ask SWEEP_KEYS_SHORT from then on, logged once, and the
+    round still asks every block; refused again at that size, the round fails."""
+    ev_log = StoreEventLog(settings(queue=1000), 1, BS,
+                           lambda hs, g: [f"k/{h.hex()}/s{s}" for h in hs for s in (0, 1)],
+                           2, Counts(), (("full_attention", None),))
+    req = request(300)
+    ev_log.loaded(req, range(300), 0, time.perf_counter())
+    ev_log.take()
+    sizes: list[int] = []
+
+    class Proxy:
+        limit = 100  # keys a request it lets through
+
+        def query(self, keys):
+            if len(keys) > self.limit:
+                raise UrlTooLong(f"HTTP 414 to {len(keys)} keys")
+            sizes.append(len(keys))
+            return dict.fromkeys(keys, True)
+
+    assert ev_log.sweep(Proxy()) == 0
+    assert sizes == [SWEEP_KEYS_SHORT] * 12 + [600 - 12 * SWEEP_KEYS_SHORT]
+    assert len([r for r in caplog.records if "keys a request from now on" in r.getMessage()]) == 1
+    sizes.clear()
+    Proxy.limit = SWEEP_KEYS
+    assert ev_log.sweep(Proxy()) == 0 and sizes[0] == SWEEP_KEYS_SHORT, "stays short"
+    Proxy.limit = 10
+    with pytest.raises(UrlTooLong):
+        ev_log.sweep(Proxy())
+    assert len(ev_log.live()) == 300, "a failed round removes nothing"
 
 
 def test_worker_records_are_bounded():

@@ -4,14 +4,16 @@ the answers is what the whole JSON says."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import random
+import threading
 import urllib.parse
 
 import msgspec
 import pytest
 
-from connector.store.master_http import held, quote
+from connector.store.master_http import MasterKeys, UrlTooLong, held, quote
 
 
 def test_quote_is_the_standard_librarys():
@@ -57,3 +59,42 @@ def test_an_answer_not_a_success_or_of_another_shape_raises():
         held(b'{"success": false, "error": "bad keys"}')
     with pytest.raises(msgspec.ValidationError):
         held(b'{"success": true, "data": {"k": {"ok": true, "values": "yes"}}}')
+
+
+def test_a_refused_long_url_is_told_apart_and_the_next_query_reconnects():
+    """A proxy's 414 (or 431) is `UrlTooLong`, which the sweep answers with shorter queries;
+    another status is a plain failure; either way the next query works on a new connection.
+    (A stand-in for a proxy in front of the admin port: the master takes long URLs.)"""
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            keys = urllib.parse.unquote(self.path.partition("keys=")[2]).split(",")
+            status, body = (414, b"") if len(self.path) > 200 else (
+                (500, b"") if keys == ["boom"] else
+                (200, json.dumps({"success": True, "data": {
+                    k: {"ok": True, "values": [REPLICA]} for k in keys}}).encode()))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = MasterKeys(f"127.0.0.1:{server.server_address[1]}")
+    try:
+        assert client.query(["a/1", "b/2"]) == {"a/1": True, "b/2": True}
+        with pytest.raises(UrlTooLong, match="HTTP 414 to 40 keys"):
+            client.query([f"key/{i:04d}" for i in range(40)])
+        with pytest.raises(RuntimeError, match="HTTP 500") as failed:
+            client.query(["boom"])
+        assert not isinstance(failed.value, UrlTooLong)
+        assert client.query(["c/3"]) == {"c/3": True}
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
