@@ -34,7 +34,8 @@ def per_thread(samples: dict[str, float], name: str) -> dict[str, float]:
     for key, v in samples.items():
         if key.startswith(name + "{") and 'thread="' in key:
             out[key.split('thread="')[1].split('"')[0]] += v
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+    # Thread numbers in order; thread="queued" (jobs that expired before a thread took one) last.
+    return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), kv[0].zfill(9))))
 
 
 def mean_ms(samples: dict[str, float], family: str) -> str:
@@ -56,7 +57,11 @@ def summary(before: dict[str, float], after: dict[str, float], n: int, secs: flo
         f"({metric_sum(d, P + 'load_keys_total'):.0f} blocks)",
         f"load jobs failed           {metric_sum(d, P + 'load_jobs_total', status='error'):.0f}",
         f"receive threads            {threads}",
-        "jobs per receive thread    " + ", ".join(f"t{t}={v:.0f}" for t, v in jobs.items()),
+        # thread="<receive threads>" is the in-step load thread (docs/observability.md).
+        "jobs per receive thread    " + (", ".join(
+            f"t{t}={v:.0f}" for t, v in jobs.items() if t.isdigit() and int(t) < threads)
+            or "none"),
+        f"jobs in the engine step    {jobs.get(str(threads), 0):.0f} (the in-step thread)",
         "mean time per load job:    queue wait " + mean_ms(d, "load_queue_wait")
         + " | prepare " + mean_ms(d, "load_prepare")
         + " | master lookup " + mean_ms(d, "load_master_lookup")
