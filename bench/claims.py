@@ -1012,7 +1012,18 @@ def _exist_absent(row: dict[str, Any]) -> str:
     return (f" The store's existence check of {row['blocks']:,} keys took {there:.2f} ms when "
             f"the master held every one and {none:.2f} ms when it held none: a key costs the "
             f"check {none * per:.2f} ms per 1,000 found or not, and a found one, which the "
-            f"master also leases, {(there - none) * per:.2f} ms per 1,000 more.")
+            f"master also leases, {(there - none) * per:.2f} ms per 1,000 more."
+            + _master_cpu(row["store"]["exist_call"], "the held keys' check", row["blocks"],
+                          "keys"))
+
+
+def _master_cpu(step: dict[str, Any], what: str, blocks: int, unit: str) -> str:
+    """The master's CPU over a step that asks it (recorded since it was measured)."""
+    if "master_cpu_ms" not in step:
+        return ""
+    ms = step["master_cpu_ms"]
+    return (f" The master's own CPU over {what}: {ms:.2f} ms, "
+            f"{ms / blocks * 1e3:.2f} ms per 1,000 {unit}.")
 
 
 def _sweep_round(row: dict[str, Any]) -> str:
@@ -1024,7 +1035,9 @@ def _sweep_round(row: dict[str, Any]) -> str:
     return (f" One round of the KV events' removal sweep over {row['blocks']:,} live blocks "
             f"(every `kv_events_sweep_s`, over every live block; in neither total) took "
             f"{sweep['wall_ms']:.1f} ms, {sweep['cpu_ms']:.1f} ms of the process's CPU: "
-            f"{sweep['cpu_ms'] / row['blocks'] * 1e3:.2f} ms of CPU per 1,000 live blocks.")
+            f"{sweep['cpu_ms'] / row['blocks'] * 1e3:.2f} ms of CPU per 1,000 live blocks."
+            + _master_cpu(sweep, "that round", row["blocks"], "live blocks (each engine's, "
+                          "every `kv_events_sweep_s`)"))
 
 
 RENDERERS: dict[str, Callable[[Runs], str]] = {

@@ -37,6 +37,9 @@ engine that has run a while; "with KV events" adds both event steps (not the swe
 a plain client (the store's own share of a lookup); and `exist_absent`, the same call for as
 many keys the store does not hold (the save's): the master leases each object it finds, so
 the two differ by what a hit costs it per key.
+For the steps that ask the master (`lookup`, `events_sweep`, `exist_call`, `exist_absent`),
+the master process's CPU over the step too (every thread's, from /proc): what the engines'
+lookups and sweeps cost a master they share.
 In-tree, on the same hashes, block ids and KV tensors: `keys` (`RankLocalStoreLayout.key_for`
 per block, as its scheduler and worker build them) and `prepare_values` (its address lists,
 vectorised in vllm#48531). Its scheduler's lookup needs a running engine's config and is not
@@ -89,6 +92,7 @@ TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 TARGET_MS_PER_1000_BLOCKS = 2.0
 EVENT_STEPS = ("events_load", "events_save")
 ROUND_STEPS = ("events_sweep",)  # per sweep round, not per request: in no total
+Sample = tuple[float, float, float | None]  # wall ms, this process's CPU ms, the master's
 
 
 def kv_caches(num_blocks: int, layers: int) -> dict[str, torch.Tensor]:
@@ -97,11 +101,29 @@ def kv_caches(num_blocks: int, layers: int) -> dict[str, torch.Tensor]:
         (num_blocks, 2, HEADS, BLOCK, HEAD_SIZE), dtype=torch.bfloat16) for i in range(layers)}
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
-    """(wall ms, process CPU ms, result) of one call."""
+def timed(fn: Callable[[], Any], master: MasterCpu | None = None
+          ) -> tuple[float, float, float | None, Any]:
+    """(wall ms, process CPU ms, the master's CPU ms or None, result) of one call."""
+    m0 = master.seconds() if master else 0.0
     c0, w0 = time.process_time(), time.perf_counter()
     out = fn()
-    return (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3, out
+    wall, cpu = (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
+    return wall, cpu, (master.seconds() - m0) * 1e3 if master else None, out
+
+
+class MasterCpu:
+    """The master process's CPU time, every thread's (`/proc/<pid>/task/*/schedstat`, in ns:
+    /proc/<pid>/stat counts 10 ms ticks, coarser than a call). Read between calls only."""
+
+    def __init__(self, pid: int) -> None:
+        self._tasks = Path(f"/proc/{pid}/task")
+
+    def seconds(self) -> float:
+        total = 0
+        for task in self._tasks.iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                total += int((task / "schedstat").read_text().split()[0])
+        return total / 1e9
 
 
 class Ours:
@@ -120,6 +142,7 @@ class Ours:
         self._caches, self._num_blocks = caches, num_blocks
         self.plan = plan_group(caches, num_blocks, HEADS, 1).load
         self.master_http = f"{master.host}:{master.metrics_port}"
+        self.master_cpu = MasterCpu(master.proc.pid)
         self.sweeper = MasterKeys(self.master_http)  # kept alive, as the sweep thread's
         # Plans whose address lists were made for a first use: kept to the end of the round,
         # so that no timed step runs just after a free of their lists (the allocator handing
@@ -196,10 +219,10 @@ class Ours:
         keys = self.keys.object_keys(hashes, plan.shards)
         return keys, plan.addresses(plan.units(ids))
 
-    def hit(self, hashes: list[bytes], ids: list[int]) -> dict[str, tuple[float, float]]:
+    def hit(self, hashes: list[bytes], ids: list[int]) -> dict[str, Sample]:
         req = self._request(hashes)
         out = {}
-        *out["lookup"], res = timed(lambda: self._ask(req))
+        *out["lookup"], res = timed(lambda: self._ask(req), self.master_cpu)
         assert res == (len(hashes) * BLOCK, True), f"lookup of {len(hashes)} blocks: {res}"
         blocks = SimpleNamespace(get_block_ids=lambda: ([*ids, self.tail],))
 
@@ -214,14 +237,14 @@ class Ours:
         *out["load_prep"], _ = timed(lambda: self._prep(hashes, ids))
         *out["events_load"], (log, announced) = timed(lambda: self._events_load(req))
         assert announced == len(ids), f"{announced} blocks announced of a hit of {len(ids)}"
-        *out["events_sweep"], gone = timed(lambda: log.sweep(self.sweeper))
+        *out["events_sweep"], gone = timed(lambda: log.sweep(self.sweeper), self.master_cpu)
         assert gone == 0 and len(log.live()) == len(ids), f"the sweep removed {gone} blocks"
         self.sched.update_connector_output(SimpleNamespace(finished_sending=None,
                                                            finished_recving={req.request_id}))
         self.sched.request_finished(req, [*ids, self.tail])
         return out
 
-    def save(self, hashes: list[bytes], ids: list[int]) -> dict[str, tuple[float, float]]:
+    def save(self, hashes: list[bytes], ids: list[int]) -> dict[str, Sample]:
         req = self._request(hashes)
         assert self._ask(req) == (0, False), "a prompt to save was found in the store"
         new = SimpleNamespace(req_id=req.request_id, block_ids=([*ids, self.tail],),
@@ -253,7 +276,7 @@ class InTree:
         self.layout.register_kv_caches(list(caches.values()), num_blocks)
         assert len(self.layout.kv_caches_base_addr) == len(caches), "in-tree: a region per layer"
 
-    def run(self, hashes: list[bytes], ids: list[int]) -> dict[str, tuple[float, float]]:
+    def run(self, hashes: list[bytes], ids: list[int]) -> dict[str, Sample]:
         out = {}
         *out["keys"], _ = timed(lambda: [self.layout.key_for(0, h) for h in hashes])
         chunks = [(i * BLOCK, (i + 1) * BLOCK) for i in range(len(ids))]
@@ -263,7 +286,8 @@ class InTree:
         return out
 
 
-def summarise(samples: dict[str, list[tuple[float, float]]], blocks: int) -> dict[str, Any]:
+def summarise(samples: dict[str, list[Sample]], blocks: int) -> dict[str, Any]:
+    """Per step, the median and range of each measure; the master's CPU where it was read."""
     out = {}
     for step, xs in samples.items():
         wall, cpu = [x[0] for x in xs], [x[1] for x in xs]
@@ -272,6 +296,10 @@ def summarise(samples: dict[str, list[tuple[float, float]]], blocks: int) -> dic
                      "cpu_ms": round(statistics.median(cpu), 3),
                      "cpu_ms_range": [round(min(cpu), 3), round(max(cpu), 3)],
                      "wall_ms_per_1000_blocks": round(statistics.median(wall) / blocks * 1e3, 3)}
+        if xs[0][2] is not None:
+            master = [x[2] for x in xs]
+            out[step] |= {"master_cpu_ms": round(statistics.median(master), 3),
+                          "master_cpu_ms_range": [round(min(master), 3), round(max(master), 3)]}
     return out
 
 
@@ -315,9 +343,11 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
                                       ("ours", ours.save(fresh[:n], ids[:n])),
                                       ("in_tree", intree.run(hashes[:n], ids[:n])),
                                       ("store", {"exist_call": timed(
-                                          lambda k=keys: client.batch_is_exist(k))[:2],
+                                          lambda k=keys: client.batch_is_exist(k),
+                                          ours.master_cpu)[:3],
                                                  "exist_absent": timed(
-                                          lambda k=absent: client.batch_is_exist(k))[:2]})):
+                                          lambda k=absent: client.batch_is_exist(k),
+                                          ours.master_cpu)[:3]})):
                         for step, v in res.items():
                             if rnd:
                                 samples.setdefault((name, n), {}).setdefault(step, []).append(v)
