@@ -22,6 +22,7 @@ from typing import Any
 from bench import report, serve_stats
 from bench.autothreads import format_auto
 from bench.report import QUIET_MAX, QUIET_MEDIAN, quiet
+from connector.config import ConnectorConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -1037,7 +1038,19 @@ def _sweep_round(row: dict[str, Any]) -> str:
             f"{sweep['wall_ms']:.1f} ms, {sweep['cpu_ms']:.1f} ms of the process's CPU: "
             f"{sweep['cpu_ms'] / row['blocks'] * 1e3:.2f} ms of CPU per 1,000 live blocks."
             + _master_cpu(sweep, "that round", row["blocks"], "live blocks (each engine's, "
-                          "every `kv_events_sweep_s`)"))
+                          "every `kv_events_sweep_s`)") + _sweep_at_defaults(sweep, row["blocks"]))
+
+
+def _sweep_at_defaults(sweep: dict[str, Any], blocks: int) -> str:
+    """Worked out from the measured round and the config's defaults: what one engine whose
+    live set is full costs the master, as a share of a core."""
+    if "master_cpu_ms" not in sweep:
+        return ""
+    live, every = ConnectorConfig.kv_events_max_live, ConnectorConfig.kv_events_sweep_s
+    cores = sweep["master_cpu_ms"] / blocks * live / 1e3 / every
+    return (f" Worked out from that, not measured: an engine with a full live set at the "
+            f"defaults ({live:,} blocks every {every:g} s) costs the master {cores:.3f} of a "
+            f"core, and each engine adds as much.")
 
 
 RENDERERS: dict[str, Callable[[Runs], str]] = {
