@@ -1037,8 +1037,9 @@ def _sweep_round(row: dict[str, Any]) -> str:
             f"(every `kv_events_sweep_s`, over every live block; in neither total) took "
             f"{sweep['wall_ms']:.1f} ms, {sweep['cpu_ms']:.1f} ms of the process's CPU: "
             f"{sweep['cpu_ms'] / row['blocks'] * 1e3:.2f} ms of CPU per 1,000 live blocks."
-            + _master_cpu(sweep, "that round", row["blocks"], "live blocks (each engine's, "
-                          "every `kv_events_sweep_s`)") + _sweep_at_defaults(sweep, row["blocks"]))
+            + _master_cpu(sweep, "that round", row["blocks"], "live blocks (one store key each "
+                          "on this layout: `kv_events_sweep_keys_total`; each engine's, every "
+                          "`kv_events_sweep_s`)") + _sweep_at_defaults(sweep, row["blocks"]))
 
 
 def _sweep_at_defaults(sweep: dict[str, Any], blocks: int) -> str:

@@ -335,6 +335,13 @@ def kv_events_row() -> Row:
            "ok, error (the master's HTTP admin port did not answer; removals then come from "
            "lookups only), off (counted once at startup: the sweep cannot work with this "
            "tenant or HA setup). Runbook: MooncakePoolKvEventSweepFailing.", min=0),
+        P("Keys the sweeps ask of the master", "ops", (
+            (rate(series("kv_events_sweep_keys"), "pod"), "{{pod}}"),
+            (rate(series("kv_events_sweep_keys")), "all engines shown"),
+        ), "Store keys per second the removal sweeps ask of the master's HTTP admin port "
+           "(every shard of every live block, each round). The master answers every engine's: "
+           "its CPU per 1,000 keys is in docs/performance.md. A longer kv_events_sweep_s or a "
+           "smaller kv_events_max_live asks less.", min=0),
         P("BlockRemoved by source", "ops", (
             (rate(series("kv_events_removals"), "source"), "{{source}}"),
         ), "What found each block gone: sweep (the periodic master query), lookup (a scheduler "

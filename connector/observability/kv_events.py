@@ -607,8 +607,9 @@ class StoreEventLog:
                 batch = blocks[i:i + max(1, self._sweep_keys // self._shards)]
                 keys = self._batch_keys(batch)
                 t0 = time.perf_counter()
+                flat = [k for ks in keys for k in ks]
                 try:
-                    present = client.query([k for ks in keys for k in ks])
+                    present = client.query(flat)
                 except UrlTooLong as e:
                     if self._sweep_keys == SWEEP_KEYS_SHORT:
                         raise
@@ -616,6 +617,7 @@ class StoreEventLog:
                     logger.warning("KV event sweep: %s; asking %d keys a request from now on",
                                    e, SWEEP_KEYS_SHORT)
                     continue
+                self._count("kv_events_sweep_keys", n=len(flat))
                 gone = [b for b, ks in zip(batch, keys, strict=True)
                         if not all(present.get(k, False) for k in ks)]
                 removed += self.missing(gone, "sweep", t0)

@@ -159,6 +159,8 @@ FAMILIES: tuple[Family, ...] = (
            "Does the router's view of the store have holes?"),
     Family("kv_events_sweeps", "counter", ("result",), "Rounds of the removal sweep (the query of the master's HTTP admin port for the announced blocks), by result: ok, error (the master's port did not answer, or answered garbage: removals then come from lookups only until a round succeeds), off (counted once at startup: the sweep cannot work here, a tenant other than default or an HA group without kv_events_master_http).",
            "Are removals found while the engine is idle, or only when a lookup misses?"),
+    Family("kv_events_sweep_keys", "counter", (), "Store keys the removal sweep asked of the master's HTTP admin port and had answered (every store shard of every live block, each round): summed over the engines, what their sweeps ask of the master; docs/performance.md gives the master's CPU per 1,000 of them.",
+           "How much master CPU do the engines' sweeps take (a longer kv_events_sweep_s or a smaller kv_events_max_live asks less)?"),
     Family("kv_events_removals", "counter", ("source",), "BlockRemoved events by what found the block gone: sweep (the periodic query of the master), lookup (a scheduler lookup missed it), live_limit (kv_events_max_live reached: the oldest announced block is withdrawn).",
            "Which path detects the store's evictions?"),
 )
@@ -202,7 +204,7 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     keys += [f"kv_events|{k}" for k in KV_EVENT_KINDS[:2]]
     keys += [f"kv_events_dropped|{k}" for k in KV_EVENT_KINDS]
     keys += [f"kv_events_removals|{s}" for s in KV_REMOVAL_SOURCES]
-    keys += [f"kv_events_sweeps|{r}" for r in KV_SWEEP_RESULTS]
+    keys += [f"kv_events_sweeps|{r}" for r in KV_SWEEP_RESULTS] + ["kv_events_sweep_keys"]
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"save_error_keys|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",

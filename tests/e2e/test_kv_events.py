@@ -228,6 +228,7 @@ def test_an_idle_engine_publishes_what_the_store_lost(a, b, sub, pool):
         assert counter(server, "kv_events_dropped") == 0
         assert counter(server, "kv_events_sweeps", result="ok") > 0
         assert counter(server, "kv_events_sweeps", result="error") == 0
+        assert counter(server, "kv_events_sweep_keys") > 0  # what its sweeps asked the master
 
 
 def test_b_misses_removed_blocks_loads_live_ones_and_announces_each_block_once(a, b, sub):

@@ -327,6 +327,7 @@ def test_a_sweep_removes_a_block_any_of_whose_shards_is_gone_in_its_own_group():
         (1, req.block_hashes[1])}
     assert sorted(k for ks in asked for k in ks) == sorted(
         f"g{g}/{h.hex()}/s{s}" for g in (0, 1) for h in req.block_hashes for s in (0, 1))
+    assert counts.c[("kv_events_sweep_keys",)] == 12  # every key asked, on /metrics
 
 
 def test_a_sweep_asks_fewer_keys_a_request_once_a_proxy_refuses_its_urls(caplog):
@@ -335,7 +336,7 @@ def test_a_sweep_asks_fewer_keys_a_request_once_a_proxy_refuses_its_urls(caplog)
     round still asks every block; refused again at that size, the round fails."""
     ev_log = StoreEventLog(settings(queue=1000), 1, BS,
                            lambda hs, g: [f"k/{h.hex()}/s{s}" for h in hs for s in (0, 1)],
-                           2, Counts(), (("full_attention", None),))
+                           2, counts := Counts(), (("full_attention", None),))
     req = request(300)
     ev_log.loaded(req, range(300), 0, time.perf_counter())
     ev_log.take()
@@ -352,6 +353,7 @@ def test_a_sweep_asks_fewer_keys_a_request_once_a_proxy_refuses_its_urls(caplog)
 
     assert ev_log.sweep(Proxy()) == 0
     assert sizes == [SWEEP_KEYS_SHORT] * 12 + [600 - 12 * SWEEP_KEYS_SHORT]
+    assert counts.c[("kv_events_sweep_keys",)] == 600  # the refused request is not counted
     assert len([r for r in caplog.records if "keys a request from now on" in r.getMessage()]) == 1
     sizes.clear()
     Proxy.limit = SWEEP_KEYS
