@@ -198,8 +198,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("PooledMooncakeStoreConnector: %s", st.sweep_off)
         self.kv_events.start()
         logger.info("PooledMooncakeStoreConnector: store KV events on (medium %s, locality %s, "
-                    "%s)", st.medium, st.locality, f"sweep of {st.master_http} every "
-                    f"{st.sweep_s:g}s" if st.sweep_s else "no sweep: removals from lookups")
+                    "%s)", st.medium, st.locality, st.sweep_note(self.keys.layout.shards))
 
     def _trace(self, side: Any, tp_rank: int, kind: str) -> None:
         """Add a span exporter to a side's events when tracing is on (the worker's exemplars

@@ -27,6 +27,17 @@ class EventSettings:
     max_live: int
     sweep_off: str = ""  # why the sweep is off though kv_events_sweep_s asked for one
 
+    def sweep_note(self, shards: int) -> str:
+        """The sweep as the startup log states it: where, how often, and the most it can ask
+        of the master (every shard of up to `max_live` blocks a round), which the master
+        answers for every engine of the fleet."""
+        if not self.sweep_s:
+            return "no sweep: removals from lookups"
+        keys = self.max_live * shards
+        return (f"sweep of {self.master_http} every {self.sweep_s:g}s: at most {keys:,} store "
+                f"keys a round ({self.max_live:,} live blocks x {shards} shards), "
+                f"{keys / self.sweep_s:,.0f} a second, asked of the master")
+
 
 def event_settings(config: ConnectorConfig, kv_events_config: Any) -> EventSettings | None:
     """The events this engine publishes (None: none), from the connector's keys and vLLM's

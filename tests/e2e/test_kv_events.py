@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -229,6 +230,8 @@ def test_an_idle_engine_publishes_what_the_store_lost(a, b, sub, pool):
         assert counter(server, "kv_events_sweeps", result="ok") > 0
         assert counter(server, "kv_events_sweeps", result="error") == 0
         assert counter(server, "kv_events_sweep_keys") > 0  # what its sweeps asked the master
+        # and its startup log said the most they may ask
+        assert "store keys a round" in Path(server.log_path).read_text(errors="replace")
 
 
 def test_b_misses_removed_blocks_loads_live_ones_and_announces_each_block_once(a, b, sub):

@@ -410,6 +410,17 @@ def test_settings_follow_vllms_kv_events_config():
     assert (s.medium, s.locality, s.sweep_s, s.master_http) == ("CPU", "REMOTE", 0, "")
 
 
+def test_the_startup_log_states_the_most_a_sweep_asks_of_the_master():
+    """Every shard of up to kv_events_max_live blocks a round: what the master answers for
+    this engine, so an operator can add up the fleet's before it runs."""
+    s = event_settings(cfg(kv_events_max_live=1000, kv_events_sweep_s=2), ON)
+    assert s.sweep_note(8) == ("sweep of 10.1.2.3:9003 every 2s: at most 8,000 store keys a "
+                               "round (1,000 live blocks x 8 shards), 4,000 a second, asked "
+                               "of the master")
+    off = event_settings(cfg(kv_events_sweep_s=0), ON)
+    assert off.sweep_note(8) == "no sweep: removals from lookups"
+
+
 @pytest.mark.parametrize("extra, kec, field", [
     ({"kv_events": "on"}, None, "kv_events"),
     ({"kv_events": "on"}, KVEventsConfig(publisher="zmq"), "kv_events"),
