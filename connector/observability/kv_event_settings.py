@@ -35,7 +35,8 @@ class EventSettings:
             return "no sweep: removals from lookups"
         keys = self.max_live * shards
         return (f"sweep of {self.master_http} every {self.sweep_s:g}s: at most {keys:,} store "
-                f"keys a round ({self.max_live:,} live blocks x {shards} shards), "
+                f"keys a round ({self.max_live:,} live blocks x {shards} "
+                f"shard{'s' if shards != 1 else ''}), "
                 f"{keys / self.sweep_s:,.0f} a second, asked of the master")
 
 

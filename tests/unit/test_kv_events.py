@@ -417,6 +417,7 @@ def test_the_startup_log_states_the_most_a_sweep_asks_of_the_master():
     assert s.sweep_note(8) == ("sweep of 10.1.2.3:9003 every 2s: at most 8,000 store keys a "
                                "round (1,000 live blocks x 8 shards), 4,000 a second, asked "
                                "of the master")
+    assert "(1,000 live blocks x 1 shard)" in s.sweep_note(1)
     off = event_settings(cfg(kv_events_sweep_s=0), ON)
     assert off.sweep_note(8) == "no sweep: removals from lookups"
 
