@@ -335,6 +335,12 @@ def kv_events_row() -> Row:
            "ok, error (the master's HTTP admin port did not answer; removals then come from "
            "lookups only), off (counted once at startup: the sweep cannot work with this "
            "tenant or HA setup). Runbook: MooncakePoolKvEventSweepFailing.", min=0),
+        P("Sweep round length (mean)", "s", (
+            (f'{rate(series("kv_events_sweep_seconds"), "pod")} / '
+             f'{rate(series("kv_events_sweeps"), "pod")}', "{{pod}}"),
+        ), "Wall time of a removal sweep round: a block the store loses reaches the router "
+           "within kv_events_sweep_s plus one round (or at the first lookup that misses it).",
+           min=0),
         P("Keys the sweeps ask of the master", "ops", (
             (rate(series("kv_events_sweep_keys"), "pod"), "{{pod}}"),
             (rate(series("kv_events_sweep_keys")), "all engines shown"),

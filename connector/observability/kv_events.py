@@ -580,6 +580,7 @@ class StoreEventLog:
         client = MasterKeys(self.settings.master_http,
                             timeout=max(1.0, min(10.0, self.settings.sweep_s)))
         while not self._stop.wait(self.settings.sweep_s):
+            t0 = time.perf_counter()
             try:
                 self.sweep(client)
                 self._count("kv_events_sweeps", "ok")
@@ -594,6 +595,8 @@ class StoreEventLog:
                                    "(lookups still report them; kv_events_sweeps_total"
                                    "{result=\"error\"} counts the rounds)",
                                    self.settings.master_http, e)
+            finally:
+                self._count("kv_events_sweep_seconds", n=time.perf_counter() - t0)
         client.close()
 
     def sweep(self, client: MasterKeys | None = None) -> int:

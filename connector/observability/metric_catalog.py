@@ -161,6 +161,8 @@ FAMILIES: tuple[Family, ...] = (
            "Are removals found while the engine is idle, or only when a lookup misses?"),
     Family("kv_events_sweep_keys", "counter", (), "Store keys the removal sweep asked of the master's HTTP admin port and had answered (every store shard of every live block, each round): summed over the engines, what their sweeps ask of the master; docs/performance.md gives the master's CPU per 1,000 of them.",
            "How much master CPU do the engines' sweeps take (a longer kv_events_sweep_s or a smaller kv_events_max_live asks less)?"),
+    Family("kv_events_sweep_seconds", "counter", (), "Wall time the removal sweep spent in its rounds, ok or failed: divided by kv_events_sweeps_total, a round's mean length. A removal reaches the router within kv_events_sweep_s plus one round.",
+           "How stale can the router's view of the store get (kv_events_sweep_s plus a round)?"),
     Family("kv_events_removals", "counter", ("source",), "BlockRemoved events by what found the block gone: sweep (the periodic query of the master), lookup (a scheduler lookup missed it), live_limit (kv_events_max_live reached: the oldest announced block is withdrawn).",
            "Which path detects the store's evictions?"),
 )
@@ -204,7 +206,8 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     keys += [f"kv_events|{k}" for k in KV_EVENT_KINDS[:2]]
     keys += [f"kv_events_dropped|{k}" for k in KV_EVENT_KINDS]
     keys += [f"kv_events_removals|{s}" for s in KV_REMOVAL_SOURCES]
-    keys += [f"kv_events_sweeps|{r}" for r in KV_SWEEP_RESULTS] + ["kv_events_sweep_keys"]
+    keys += [f"kv_events_sweeps|{r}" for r in KV_SWEEP_RESULTS] + ["kv_events_sweep_keys",
+                                                                 "kv_events_sweep_seconds"]
     for rank in range(tp_size):
         keys += [f"load_error_blocks|{rank}", f"save_error_keys|{rank}", f"autotune_errors|{rank}",
                  f"threads_replaced|{rank}|load", f"threads_replaced|{rank}|save",

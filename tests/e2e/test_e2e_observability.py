@@ -98,7 +98,8 @@ def test_every_family_has_samples(burst):
     # The store's KV events are off on this engine: their families are exported at 0 from
     # startup (tests/e2e/test_kv_events.py sees them move).
     zero_when_healthy |= {"kv_events", "kv_events_dropped", "kv_events_removals",
-                          "kv_events_sweeps", "kv_events_sweep_keys"}
+                          "kv_events_sweeps", "kv_events_sweep_keys",
+                          "kv_events_sweep_seconds"}
     # Arrivals past lookup_ahead (16) unasked lookups: whether the burst's arrivals outrun the
     # scheduler that far depends on timing (tests/store/test_scheduler.py floods it).
     # Preloads: only for requests queued behind full sequence slots, which this burst's

@@ -230,6 +230,7 @@ def test_an_idle_engine_publishes_what_the_store_lost(a, b, sub, pool):
         assert counter(server, "kv_events_sweeps", result="ok") > 0
         assert counter(server, "kv_events_sweeps", result="error") == 0
         assert counter(server, "kv_events_sweep_keys") > 0  # what its sweeps asked the master
+        assert counter(server, "kv_events_sweep_seconds") > 0  # and how long they took
         # and its startup log said the most they may ask
         assert "store keys a round" in Path(server.log_path).read_text(errors="replace")
 

@@ -263,6 +263,10 @@ def test_sweep_thread_and_lookup_find_removals():
             print(f"sweep thread events: {got}")
             assert removed_hashes(got) == {external_hash(req.block_hashes[0])}
             assert not any(isinstance(e, BlockStored) for e in got)
+            # Its rounds are counted with their length and the keys they asked the master.
+            assert counts[("kv_events_sweeps", "ok")] >= 1
+            assert counts[("kv_events_sweep_seconds",)] > 0
+            assert counts[("kv_events_sweep_keys",)] >= 3  # the three live blocks, once
         finally:
             log.shutdown()
             sched.shutdown()
