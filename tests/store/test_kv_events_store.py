@@ -8,6 +8,7 @@ import json
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -57,6 +58,25 @@ def client_on(master):
 
 def put(client, keys: list[str]) -> list[int]:
     return [client.put_from(k, BUF.ctypes.data, OBJ) for k in keys]
+
+
+def fill(client, tag: str, done: Callable[[], object], what: str) -> list[int]:
+    """Write 1 MB objects `tag-<i>` past the 16 MB store, 8 at a time, until `done()`: Mooncake
+    evicts on its own thread, after puts found the memory full (those fail). Bounded by 30 s
+    and by 16 times the capacity in puts that succeeded: puts a full store refuses fail at
+    once, so a bound on all puts was spent before the eviction thread ran on a busy host. A
+    batch refused whole waits 50 ms for that thread. Returns each put's result, in order."""
+    results: list[int] = []
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline and results.count(0) < 16 * 16, (
+            f"the fault did not land: {what} after {len(results)} 1 MB puts into 16 MB "
+            f"(results {dict(Counter(results))})")
+        batch = put(client, [f"{tag}-{len(results) + i}" for i in range(8)])
+        results += batch
+        if 0 not in batch:
+            time.sleep(0.05)
+    return results
 
 
 def master_counter(master, name: str) -> float:
@@ -124,15 +144,11 @@ def test_master_publishes_no_kv_events():
             sub.connect(f"tcp://{HOST}:{port}")
             time.sleep(0.5)  # a SUB misses what is sent before it is connected
             client = client_on(master)
-            # Write past the 16 MB until the master evicts (on its own thread, after puts
-            # found the memory full): bounded by 30 s and 16 times the capacity.
-            results: list[int] = []
-            deadline = time.monotonic() + 30
-            while (evicted_keys := master_counter(master, "master_evicted_key_count")) == 0:
-                assert time.monotonic() < deadline and len(results) < 16 * 16, (
-                    f"the fault did not land: nothing evicted after {len(results)} 1 MB puts "
-                    f"(results {dict(Counter(results))})")
-                results += put(client, [f"kvev-master-{len(results) + i}" for i in range(8)])
+            # Write past the 16 MB until the master evicts.
+            results = fill(client, "kvev-master",
+                           lambda: master_counter(master, "master_evicted_key_count"),
+                           "nothing evicted")
+            evicted_keys = master_counter(master, "master_evicted_key_count")
             last = max(i for i, r in enumerate(results) if r == 0)  # the newest: not evicted
             time.sleep(0.3)  # its put's lease (200 ms) ends, or the remove is refused (-706)
             assert client.remove(f"kvev-master-{last}") == 0
@@ -205,22 +221,17 @@ def test_sweep_announces_removed_and_evicted_blocks_only():
             assert log.sweep() == 2
             assert removed_hashes(log.take()) == {external_hash(h) for h in req.block_hashes[:2]}
             # Eviction: write past the store's capacity until the master has evicted some
-            # announced block. Mooncake evicts on its own thread, after the puts that found
-            # the memory full (those fail), so the test waits on the store's own answer,
-            # bounded by 30 s and by 16 times the 16 MB capacity, not on a fixed number of puts.
+            # announced block (the store's own answer, not a fixed number of puts).
             survivors = dict(zip(keys[2:], req.block_hashes[2:], strict=True))
-            written, results, deadline = 0, Counter(), time.monotonic() + 30
-            while not (before := evicted(master, survivors)):
-                assert time.monotonic() < deadline and written < 16 * 16, (
-                    f"no announced block evicted after {written} 1 MB puts into 16 MB "
-                    f"(put results {dict(results)}, master evicted "
-                    f"{master_counter(master, 'master_evicted_key_count'):.0f} keys)")
-                results.update(put(client, [f"kvev-filler-{written + i}" for i in range(8)]))
-                written += 8
+            found: list[set] = []
+            results = fill(client, "kvev-filler",
+                           lambda: found.append(evicted(master, survivors)) or found[-1],
+                           "no announced block evicted")
+            before, written = found[-1], len(results)
             gone = log.sweep()
             events = log.take()
             after = evicted(master, survivors)  # the store may evict more meanwhile
-            print(f"{written} filler puts (results {dict(results)}); master evicted "
+            print(f"{written} filler puts (results {dict(Counter(results))}); master evicted "
                   f"{master_counter(master, 'master_evicted_key_count'):.0f} keys; announced "
                   f"blocks missing before the sweep {len(before)}, after {len(after)}; sweep "
                   f"removed {gone} of 6; events {len(events)}")
