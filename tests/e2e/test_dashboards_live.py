@@ -47,6 +47,9 @@ EXPECTED_EMPTY: dict[tuple[str, str, str], str] = {
                              ("Tenant quota use (master)", "quota {{tenant_id}}"),
                              ("Quota rejects per tenant (master)", "{{tenant_id}} {{reason}}"),
                              ("Evicted to make room, per tenant (master)", "{{tenant_id}}"))},
+    ("errors-and-store.json", "Sweep round length (mean)", "{{pod}}"):
+        "this run's engine has no store KV events, so no sweep rounds to average (0 / 0); "
+        "tests/e2e/test_kv_events.py checks kv_events_sweep_seconds on engines with them",
     **{("load-pipeline.json", title, legend):
        "this run's engine has no disk tier (no enable_offload: no tier series); "
        "tests/e2e/test_disk_tier.py checks the Disk tier row against a store with one"
