@@ -288,6 +288,7 @@ class MooncakeStoreScheduler:
         t0 = time.perf_counter()
         if lk.deadline.at == math.inf:  # vLLM reached the request: its lookup gets a deadline
             lk.deadline.at = t0 + self.config.lookup_timeout_s
+        read = True  # the lookup's outcome is used here: it ends
         try:
             wait = max(0.0, self._step_budget_s - self.step_waited_s)
             hit_tokens, event = lk.future.result(timeout=wait)
@@ -298,6 +299,9 @@ class MooncakeStoreScheduler:
         except cf.TimeoutError:
             now = time.perf_counter()
             if now < lk.deadline.at:
+                # Still running, or answered just after the wait gave up: kept for the next
+                # ask either way, so an answer is never thrown away and asked for again.
+                read = False
                 return None
             waited = now - lk.deadline.at + self.config.lookup_timeout_s  # since vLLM asked
             del self._lookups[rid]
@@ -309,7 +313,7 @@ class MooncakeStoreScheduler:
             return 0
         finally:
             self.step_waited_s += time.perf_counter() - t0
-            if lk.future.done():
+            if read:
                 self._lookups.pop(rid, None)
 
     def _lookup(self, hashes: tuple[bytes, ...], deadline: _Deadline

@@ -3,6 +3,7 @@ and capped, a failed load is never retried in a loop, and blocks are held while 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 from types import SimpleNamespace
 
@@ -121,6 +122,45 @@ def test_a_stored_last_block_asks_for_the_rest_at_once(sched, store_client):
     calls = store_client_calls(sched)
     assert ask(sched, request("g", gap, 400 * BS + 1)) == (300 * BS, True)
     assert lookup_keys(sched) == 400 * 2 and calls() == 2  # counted since the last read
+
+
+class AnsweredJustLate(cf.Future):
+    """A lookup whose answer arrives just after the scheduler's wait for it gave up: the
+    first `result` raises TimeoutError with the future already done."""
+
+    def __init__(self, real: cf.Future) -> None:
+        super().__init__()
+        self._real = real
+
+    def result(self, timeout: float | None = None):
+        if not self.done():
+            self.set_result(self._real.result())
+            raise cf.TimeoutError
+        return super().result(timeout)
+
+
+class CountingSubmits:
+    def __init__(self, executor: cf.Executor) -> None:
+        self.executor, self.submits = executor, 0
+
+    def submit(self, fn, *args):
+        self.submits += 1
+        return AnsweredJustLate(self.executor.submit(fn, *args))
+
+    def shutdown(self, **kw) -> None:
+        self.executor.shutdown(**kw)
+
+
+def test_an_answer_that_comes_just_after_the_wait_is_used_not_asked_again(sched, store_client):
+    """A CI run under load asked the master twice for one lookup: the answer came between
+    the step's wait giving up and the scheduler's check, and was thrown away."""
+    hs = hashes("late", 70)
+    store_blocks(store_client, sched, hs)
+    sched._executor = CountingSubmits(sched._executor)
+    calls = store_client_calls(sched)
+    assert ask(sched, request("l", hs, 70 * BS + 1), timeout=2.0) == (70 * BS, True)
+    assert sched._executor.submits == 1 and calls() == 2
+    assert lookup_keys(sched) == 70 * 2
 
 
 def test_failed_load_is_not_retried(sched, store_client):
