@@ -71,6 +71,11 @@ def test_in_step_load_on_a_frozen_node_is_bounded_and_never_written(make_worker_
         w.start_load(in_step("r", range(40, 48), hs))
         took = time.monotonic() - t0
         errors = w.get_load_errors()
+        # Its call still hangs on the frozen node. The thread is stuck once the call itself
+        # outlives the deadline, counted from when the thread took the job (on a busy host, a
+        # little after the step queued it): kept frozen until then, it is replaced.
+        wait_until(lambda: w.step_pool.replaced == 1, 10,
+                   "the in-step thread stuck on the frozen node was never replaced")
     assert errors == set(range(40, 48))  # all recomputed by vLLM
     assert deadline <= took < deadline + 2, f"the step waited {took:.2f}s ({deadline}s)"
     assert w.get_finished() == (None, None)
