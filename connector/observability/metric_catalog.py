@@ -108,7 +108,7 @@ FAMILIES: tuple[Family, ...] = (
     # Scheduler lookup.
     Family("lookup_seconds", "histogram", (), "Scheduler-side prefix lookup in the store (all TP namespaces).",
            "Does the lookup slow the scheduler?"),
-    Family("lookup_keys", "counter", (), "Keys probed by scheduler lookups.",
+    Family("lookup_keys", "counter", (), "Keys the scheduler's lookups asked the master, those of lookups given up on included (timed out, or their request finished first: counted when their call returns).",
            "How much lookup traffic does the master get?"),
     Family("lookups", "counter", ("cache_prefix", "result", "tenant"), "Scheduler lookups by result: hit, miss, error or timeout; cache_prefix is the tenant's key prefix.",
            "Does the store find prefixes at all, for each tenant?"),

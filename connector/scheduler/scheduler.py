@@ -249,10 +249,18 @@ class MooncakeStoreScheduler:
 
     def _drop(self, lk: _Lookup) -> None:
         """Give a lookup up: cancelled if it has not started, else kept for `shutdown()`
-        until its store call returns (it stops at its next window)."""
+        until its store call returns (it stops at its next window). The keys it asked still
+        count once it ends: `lookup_keys` is what the master answered, used or not."""
         lk.deadline.at = 0.0
-        if not lk.future.cancel() and not lk.future.done():
+        if lk.future.cancel():
+            return
+        lk.future.add_done_callback(self._count_dropped_keys)
+        if not lk.future.done():
             self._abandoned = [f for f in self._abandoned if not f.done()] + [lk.future]
+
+    def _count_dropped_keys(self, future: cf.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.recorder.count("lookup_keys", n=future.result()[1].keys)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

@@ -318,6 +318,8 @@ def test_frozen_master_lookup_times_out_and_shutdown_waits_for_its_call(monkeypa
         assert client.in_flight_at_close is None, "the client was closed under a running call"
         thaw(live.proc)  # the call returns, then the client closes
         assert client.wait_closed(30) == 0
+        # The keys it asked the master count although its answer went unused.
+        assert lookup_keys(s) == 4 * 2
     finally:
         thaw(live.proc)
         live.stop()
