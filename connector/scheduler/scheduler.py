@@ -259,7 +259,8 @@ class MooncakeStoreScheduler:
             self._abandoned = [f for f in self._abandoned if not f.done()] + [lk.future]
 
     def _count_dropped_keys(self, future: cf.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
+        """Done callback of a lookup that started (one cancelled first asked nothing)."""
+        if future.exception() is None:
             self.recorder.count("lookup_keys", n=future.result()[1].keys)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -312,8 +313,7 @@ class MooncakeStoreScheduler:
                 read = False
                 return None
             waited = now - lk.deadline.at + self.config.lookup_timeout_s  # since vLLM asked
-            del self._lookups[rid]
-            self._drop(lk)
+            self._drop(lk)  # and out of _lookups below, as a read one
             self.events.lookup(LookupEvent("timeout", 0, 0, len(hashes) * self._block_size,
                                                 waited))
             logger.warning("store lookup exceeded lookup_timeout_s=%.3fs; treating as a miss",
