@@ -119,13 +119,15 @@ class KeyBuilder:
 
     def keys(self, block_hashes: Sequence[bytes], shard: int = 0, group: int = 0) -> list[str]:
         """Keys of the given blocks in one shard of one group."""
-        p = self._prefix[group][shard]
-        return [p + h.hex() for h in block_hashes]
+        return self.object_keys(block_hashes, (shard,), group)
 
     def object_keys(self, block_hashes: Sequence[bytes], shards: Sequence[int],
                     group: int = 0) -> list[str]:
         """Keys of the blocks' objects in `shards`, block-major (as `ObjectPlan.units`)."""
         ps = [self._prefix[group][s] for s in shards]
+        if len(ps) == 1:  # a rank's own shard, or an unsplit layout: no inner loop, which
+            p = ps[0]     # costs a sixth of a long prompt's keys
+            return [p + h for h in map(bytes.hex, block_hashes)]
         return [p + h.hex() for h in block_hashes for p in ps]
 
     def all_shard_keys(self, block_hashes: Sequence[bytes], group: int = 0) -> list[str]:
