@@ -23,7 +23,6 @@ from bench import report, serve_stats
 from bench.autothreads import format_auto
 from bench.report import QUIET_MAX, QUIET_MEDIAN, quiet
 from connector.config import ConnectorConfig
-from connector.scheduler.parallel_exist import MAX_PARTS, MIN_PART
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -1016,20 +1015,7 @@ def _exist_absent(row: dict[str, Any]) -> str:
             f"check {none * per:.2f} ms per 1,000 found or not, and a found one, which the "
             f"master also leases, {(there - none) * per:.2f} ms per 1,000 more."
             + _master_cpu(row["store"]["exist_call"], "the held keys' check", row["blocks"],
-                          "keys") + _exist_parts(row))
-
-
-def _exist_parts(row: dict[str, Any]) -> str:
-    """The held keys' check in parts asked at once, as a lookup asks a long prompt's rest,
-    beside the one call (recorded since the lookup splits it)."""
-    parts = row["store"].get("exist_parts")
-    n = min(MAX_PARTS, row["blocks"] // MIN_PART)  # one key a block on this layout
-    if parts is None or n < 2:
-        return ""
-    one = row["store"]["exist_call"]["wall_ms"]
-    return (f" In {n} parts asked at once, as a lookup asks it (`parallel_exist`), the same "
-            f"check took {parts['wall_ms']:.2f} ms, {parts['wall_ms'] / one:.2f} of the one "
-            f"call; the master's CPU over it {parts['master_cpu_ms']:.2f} ms.")
+                          "keys"))
 
 
 def _master_cpu(step: dict[str, Any], what: str, blocks: int, unit: str) -> str:

@@ -34,12 +34,10 @@ Steps, each timed on its own (wall and this process's CPU, which counts every th
 "End to end" sums every step but `load_prep_first` and the events: what a request costs an
 engine that has run a while; "with KV events" adds both event steps (not the sweep). Beside them,
 `exist_call`: Mooncake's batch existence check of every key of the prompt alone, one call from
-a plain client (the store's own share of a lookup); `exist_parts`, the same keys in parts asked
-at once, as the lookup asks a long prompt's rest (`connector.scheduler.parallel_exist`): the
-two side by side are what the parts save; and `exist_absent`, the one call for as many keys
-the store does not hold (the save's): the master leases each object it finds, so that and
-`exist_call` differ by what a hit costs it per key.
-For the steps that ask the master (`lookup`, `events_sweep` and the `exist_` ones),
+a plain client (the store's own share of a lookup); and `exist_absent`, the same call for as
+many keys the store does not hold (the save's): the master leases each object it finds, so
+the two differ by what a hit costs it per key.
+For the steps that ask the master (`lookup`, `events_sweep`, `exist_call`, `exist_absent`),
 the master process's CPU over the step too (every thread's, from /proc): what the engines'
 lookups and sweeps cost a master they share.
 In-tree, on the same hashes, block ids and KV tensors: `keys` (`RankLocalStoreLayout.key_for`
@@ -80,7 +78,6 @@ from bench.testbed import OthersMeter, Testbed, open_client
 from connector.config import load_config
 from connector.observability.kv_event_settings import EventSettings
 from connector.observability.kv_events import StoreEventLog, WorkerLanded
-from connector.scheduler.parallel_exist import ParallelExist
 from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.keys import KeyBuilder, Layout, kv_signature
 from connector.store.master_http import MasterKeys
@@ -331,7 +328,6 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
     with local_pool("256MB") as (master, _node):
         client = open_client(Testbed(master.address, master.metadata_server))
         ours, intree = Ours(master, caches, num_blocks), InTree(caches, num_blocks)
-        parts = ParallelExist(client.batch_is_exist)
         ours.store(client, hashes)
         with frozen_heap():
             others: list[float] = []
@@ -349,8 +345,6 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
                                       ("store", {"exist_call": timed(
                                           lambda k=keys: client.batch_is_exist(k),
                                           ours.master_cpu)[:3],
-                                                 "exist_parts": timed(
-                                          lambda k=keys: parts(k), ours.master_cpu)[:3],
                                                  "exist_absent": timed(
                                           lambda k=absent: client.batch_is_exist(k),
                                           ours.master_cpu)[:3]})):
@@ -360,7 +354,6 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
                 if rnd:
                     others.append(meter.stop())
             ours.sched.shutdown()
-            parts.shutdown()
             ours.sweeper.close()
             client.close()
     out: dict[str, Any] = {"sizes": []}

