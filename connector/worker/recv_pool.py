@@ -66,8 +66,8 @@ TIMEOUT = "timeout"  # the reason given to on_expire for a job past its deadline
 class Ticket(Generic[J]):
     """One job's state, shared by its thread, the watchdog and `drop` under the pool's lock."""
 
-    __slots__ = ("job", "deadline", "state", "slot", "started", "stuck", "cancel", "_lock",
-                 "_report")
+    __slots__ = ("job", "deadline", "state", "slot", "started", "stuck", "held", "cancel",
+                 "_lock", "_report")
 
     def __init__(self, job: J, deadline: float, lock: threading.Lock,
                  report: Callable[[Ticket[J], str], None] | None = None) -> None:
@@ -76,7 +76,8 @@ class Ticket(Generic[J]):
         self.state = QUEUED
         self.slot: int | None = None  # the slot whose thread runs it (None while queued)
         self.started = 0.0  # monotonic time a thread took it
-        self.stuck = False  # its thread's call outlived the bound (noted once)
+        self.stuck = False  # its thread's call outlived the bound and was retired
+        self.held = False  # it outlived the bound while the stuck budget was full (logged once)
         self.cancel = ""  # dropped while touching: expired with this reason as the block exits
         self._lock = lock
         self._report = report  # reports a job this ticket expired itself (the pool's)
@@ -405,10 +406,13 @@ class RecvPool(Generic[J]):
             return
         if self._closing:  # a fresh thread would take a queued job past close()'s count
             return
-        if self.stuck >= self.max_stuck:
-            logger.warning("%s: a call has run past the %.1fs bound and %d stuck threads "
-                           "already wait for their calls; its slot waits too", self._name,
-                           self._deadline_s, self.stuck)
+        if self.stuck >= self.max_stuck:  # looked at again each tick: retired once room frees
+            ticket.stuck = False
+            if not ticket.held:
+                ticket.held = True
+                logger.warning("%s: a call has run past the %.1fs bound and %d stuck threads "
+                               "already wait for their calls; its slot waits too", self._name,
+                               self._deadline_s, self.stuck)
             return
         try:
             self._spawn(ticket.slot)

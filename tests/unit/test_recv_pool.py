@@ -336,6 +336,35 @@ def test_stuck_threads_are_bounded_and_the_queue_holds_no_expired_tickets():
     pool.close(1.0)
 
 
+def test_a_call_held_while_the_stuck_budget_was_full_is_retired_once_room_frees():
+    """A slot's thread hangs and is replaced; the replacement hangs too while the first still
+    holds the budget (one stuck thread per slot). Once the first call returns, the second is
+    retired and replaced as well: its slot serves the queue again without waiting for it."""
+    rec, gates = Recorder(), {j: threading.Event() for j in ("a", "b")}
+
+    def handler(job, slot, ticket):
+        if job in gates:
+            gates[job].wait()
+        if ticket.finish():
+            rec.done.append(job)
+
+    pool = RecvPool(1, handler, deadline_s=0.2, on_expire=rec.expire)
+    try:
+        pool.submit("a")
+        wait_until(lambda: pool.replaced == 1)  # a's thread retired
+        pool.submit("b")  # the replacement takes it and hangs: the budget is full
+        wait_until(lambda: ("b", "timeout") in rec.expired)
+        assert pool.replaced == 1 and pool.stuck == 1
+        gates["a"].set()  # the first stuck call returns: room for one more
+        wait_until(lambda: pool.replaced == 2)
+        pool.submit("next")
+        wait_until(lambda: rec.done == ["next"])  # served while b's call still hangs
+    finally:
+        for g in gates.values():
+            g.set()
+        pool.close(1.0)
+
+
 def test_retired_threads_are_forgotten():
     """Many stuck-and-replaced cycles: the pool keeps no list of dead threads."""
     rec, gates = Recorder(), [threading.Event() for _ in range(20)]
