@@ -342,12 +342,16 @@ class MooncakeStoreWorker:
         of the in-step thread: registering one publishes this client's segment to the
         metadata server, a round trip the first store hit of each thread would otherwise pay
         inside its deadline (seen on a loaded host: the metadata server's replies timing out
-        failed each thread's first load). One that fails is logged and made on first use."""
+        failed each thread's first load). One that fails is logged and made on first use;
+        those registered before it are kept (registered and counted: thrown away, they would
+        stay both)."""
         threads = self.pool.active + (self.step_pool is not None)
         plans = {id(io.load): io.load for io in self._io}
         try:
             for key, plan in plans.items():
-                self._spare[key] = [self._new_stager(client, plan) for _ in range(threads)]
+                spare = self._spare[key] = []
+                for _ in range(threads):
+                    spare.append(self._new_stager(client, plan))
         except RuntimeError as e:
             logger.warning("%s at startup: made on first use instead", e)
 

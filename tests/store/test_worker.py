@@ -338,6 +338,37 @@ def test_staging_buffers_are_registered_before_the_first_load(make_worker):
     assert w.staging_buffers == w.pool.size + 2  # no thread registered one of its own
 
 
+def test_staging_buffers_registered_before_a_failed_one_are_kept(make_worker, monkeypatch):
+    """The second staging buffer's registration fails at startup (a metadata server that times
+    out): the one registered before it is kept for a load thread, counted, and still
+    registered; the failed one is made on first use. Before, both were thrown away, the first
+    left registered and counted for good."""
+    import connector.store.client as store_client
+    from tests.client_kit import CallRecorder
+
+    nbytes, staged, live = STAGED_2["staging_buffer_size"], [], set()
+
+    class FailSecondStaging(CallRecorder):
+        def register_buffer(self, ptr: int, size: int) -> int:
+            if size == nbytes:
+                staged.append(ptr)
+                if len(staged) == 2:
+                    return -1
+                live.add(ptr)
+            return self._client.register_buffer(ptr, size)
+
+        def unregister_buffer(self, ptr: int) -> int:
+            live.discard(ptr)
+            return self._client.unregister_buffer(ptr)
+
+    real = store_client.open_store
+    monkeypatch.setattr(store_client, "open_store", lambda *a: (
+        lambda c, m: (FailSecondStaging(c), m))(*real(*a)))
+    w = make_worker(prefix="warm-fail", threads=2, **STAGED_2)
+    assert len(staged) == 2 and w.staging_buffers == 1 and live == {staged[0]}
+    assert [s.buffer.data_ptr() for ss in w._spare.values() for s in ss] == [staged[0]]
+
+
 def test_saves_resume_once_the_store_takes_puts_again(make_worker_on):
     """Saves fail (a master without a store node: no segment to put into), then a store node
     mounts. Saves of finished requests are dropped while saves fail, but not all of them: a
