@@ -167,9 +167,10 @@ class MooncakeStoreScheduler:
         distinct = set(self._signatures.values())
         if len(distinct) != 1:
             logger.error("the TP ranks registered different KV layouts %s; blocks cannot be "
-                         "keyed safely, so this engine never loads from the store",
+                         "keyed safely, so this engine never loads from or saves to the store",
                          sorted(distinct))
             self.config = dataclasses.replace(self.config, enable_load=False, enable_save=False)
+            self._save = False  # decided at start, from the config as it was then
             self._keys_ready = True
             return
         self._keys = self._keys.with_signature(distinct.pop())

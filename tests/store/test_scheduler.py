@@ -292,8 +292,13 @@ def test_lookups_wait_for_the_layout_of_every_rank(master, store_node, store_cli
         time.sleep(0.6)  # past lookup_timeout_s without a report: a miss, not a stuck request
         assert late.get_num_new_matched_tokens(req, 0) == (0, False)
         late.add_layout({0: SIGNATURE, 1: SIGNATURE + "x"})  # ranks disagree: never load
-        assert late.get_num_new_matched_tokens(request("x", hs, 3 * BS + 1), 0) == (0, False)
-        assert not late.build_connector_meta(step_output()).saves
+        x = request("x", hs, 3 * BS + 1)
+        assert late.get_num_new_matched_tokens(x, 0) == (0, False)
+        # ... nor save: each rank would write under its own signature, objects no engine reads
+        late.update_state_after_alloc(x, blocks([4, 5, 6, 7]), 0)
+        assert not late.saves and not late.build_connector_meta(step_output(
+            [SimpleNamespace(req_id="x", block_ids=([4, 5, 6, 7],), num_computed_tokens=0)],
+            {"x": 3 * BS + 1})).saves
     finally:
         late.shutdown()
 
