@@ -399,6 +399,10 @@ class MooncakeStoreScheduler:
             tr = self._tracked.get(new.req_id)
             if tr is not None:
                 tr.block_ids = [list(ids) for ids in new.block_ids]
+                # A load that failed past a valid prefix: vLLM recomputes from there, and
+                # what the store lost goes back to it (blocks it still holds are skipped).
+                bs = self._block_size
+                tr.saved_upto = min(tr.saved_upto, new.num_computed_tokens // bs * bs)
                 self._plan_save(tr, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
                                 saves)
         cached = so.scheduled_cached_reqs

@@ -187,6 +187,33 @@ def step_output(new=(), num_scheduled=None):
                                               new_block_ids=[], num_computed_tokens=[]))
 
 
+@pytest.mark.parametrize("valid", [0, 2])
+def test_blocks_a_failed_load_left_to_recompute_are_saved_again(sched, store_client, valid):
+    """An async load fails past its first `valid` blocks (evicted since the lookup): vLLM
+    recomputes from there, and those blocks go back to the store. With none valid vLLM frees
+    the blocks and asks again (the answer: nothing); else it schedules the request from the
+    valid prefix. Before, the save began where the hit ended, so the store never got back
+    what it had lost."""
+    hs = hashes(f"reload-{valid}", 4)
+    store_blocks(store_client, sched, hs)
+    req = request("f", hs, 4 * BS + 5)
+    assert ask(sched, req) == (4 * BS, True)
+    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14]), 4 * BS)
+    assert [t.req_id for t in sched.build_connector_meta(step_output()).loads] == ["f"]
+    sched.update_connector_output(SimpleNamespace(finished_sending=None,
+                                                  finished_recving={"f"}))
+    ids = [10, 11, 12, 13, 14]
+    if not valid:
+        assert ask(sched, req) == (0, False)
+        ids = [20, 21, 22, 23, 24]
+        sched.update_state_after_alloc(req, blocks(ids), 0)
+    meta = sched.build_connector_meta(step_output(
+        [SimpleNamespace(req_id="f", block_ids=(ids,), num_computed_tokens=valid * BS)],
+        {"f": (4 - valid) * BS + 5}))
+    assert [(t.req_id, t.block_ids, t.block_hashes) for t in meta.saves] == [
+        ("f", tuple(ids[valid:4]), hs[valid:4])]
+
+
 def test_blocks_held_while_loading_or_saved(sched, store_client):
     hs = hashes("hold", 2)
     store_blocks(store_client, sched, hs)
