@@ -87,7 +87,6 @@ class _Deadline:
 @dataclass
 class _Lookup:
     future: cf.Future
-    started: float  # perf_counter at submit
     deadline: _Deadline  # lookup_timeout_s from when vLLM first asks; inf until then
 
 
@@ -124,7 +123,7 @@ class MooncakeStoreScheduler:
         self._arrived: OrderedDict[str, Any] = OrderedDict()  # arrivals waiting for a turn
         self._abandoned: list[cf.Future] = []  # timed out or finished while running
         self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
-        self._seen: dict[str, float] = {}  # req_id -> when its lookup began (perf_counter)
+        self._seen: dict[str, float] = {}  # req_id -> when its lookup answered (perf_counter)
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
         self._sync_loads: list[BlockTransfer] = []  # loads the step waits for (step_loads)
@@ -245,7 +244,7 @@ class MooncakeStoreScheduler:
         if lk is None and self._store.ready() is not None:
             deadline = _Deadline()
             lk = self._lookups[rid] = _Lookup(self._executor.submit(
-                self._lookup, tuple(hashes), deadline), time.perf_counter(), deadline)
+                self._lookup, tuple(hashes), deadline), deadline)
         return lk
 
     def _drop(self, lk: _Lookup) -> None:
@@ -304,7 +303,9 @@ class MooncakeStoreScheduler:
             hit_tokens, event = lk.future.result(timeout=wait)
             self.events.lookup(event)  # counted when used, so a timed-out one counts once
             self.clock.answered(rid, event.t_end)
-            self._seen[rid] = lk.started  # the store held the hit when the lookup began
+            # The store held the hit by the time the lookup answered: not dated from when it
+            # was queued, or a query that missed a block in between withdraws what it found.
+            self._seen[rid] = event.t_end
             return hit_tokens
         except cf.TimeoutError:
             now = time.perf_counter()

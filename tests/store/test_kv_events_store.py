@@ -5,6 +5,7 @@ admin port and by scheduler lookups, after real removals and evictions."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -278,6 +279,37 @@ def test_sweep_thread_and_lookup_find_removals():
             assert counts[("kv_events_sweeps", "ok")] >= 1
             assert counts[("kv_events_sweep_seconds",)] > 0
             assert counts[("kv_events_sweep_keys",)] >= 3  # the three live blocks, once
+        finally:
+            log.shutdown()
+            sched.shutdown()
+
+
+def test_a_load_is_dated_from_its_lookups_answer_not_from_when_it_was_queued():
+    """A lookup queued at S runs late and finds the prompt's blocks stored, after another
+    query, started at t0 > S, missed one (another engine stored it again meanwhile): that
+    query's removal must not withdraw a block this engine saw stored after it, and loads.
+    Dated from when the lookup was queued (S < t0), it was withdrawn."""
+    with local_pool("16MB") as (master, _node):
+        client = client_on(master)
+        sched = scheduler_on(master)
+        log, _ = event_log(sched, master)
+        try:
+            first = request("dated", 2)
+            announce(log, client, sched, first)
+            again = SimpleNamespace(**{**vars(first), "request_id": "again"})
+            gate, exist = threading.Event(), sched._exist
+            sched._exist = lambda keys: (gate.wait(10), exist(keys))[1]
+            assert sched.get_num_new_matched_tokens(again, 0) == (None, False)  # queued at S
+            t0 = time.perf_counter()  # the other query starts, and will miss a block
+            gate.set()
+            deadline = time.monotonic() + 10
+            while (hit := sched.get_num_new_matched_tokens(again, 0))[0] is None:
+                assert time.monotonic() < deadline, "lookup never resolved"
+            assert hit == (2 * BS, True)
+            sched.update_state_after_alloc(again, SimpleNamespace(get_block_ids=lambda: (
+                [1, 2, 3],)), 2 * BS)
+            assert log.missing([(0, first.block_hashes[0])], "sweep", t0) == 0
+            assert (0, first.block_hashes[0]) in log.live()
         finally:
             log.shutdown()
             sched.shutdown()
