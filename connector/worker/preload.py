@@ -51,7 +51,9 @@ class PreloadArena:
         self.stager = stager
         self._free = list(range(stager.capacity - 1, -1, -1))
         self._entries: dict[str, _Entry] = {}
-        self._loading: set[str] = set()  # loads came before their preloads: none starts now
+        # Loads that came before their preloads (none starts now), with when: aged out like
+        # ready preloads, since the load of a request already finished adds one for good.
+        self._loading: dict[str, float] = {}
         self._ready: list[str] = []  # read whole since the last take_ready
         self._lock = threading.Lock()
         self._count = count
@@ -111,7 +113,7 @@ class PreloadArena:
         with self._lock:
             e = self._entries.get(req_id)
             if e is None:
-                self._loading.add(req_id)
+                self._loading[req_id] = time.monotonic()
                 return None
             if e.pending:
                 e.abandoned = True
@@ -138,7 +140,7 @@ class PreloadArena:
             self._count("unused", unused)
 
     def _drop(self, req_id: str) -> int:
-        self._loading.discard(req_id)
+        self._loading.pop(req_id, None)
         e = self._entries.get(req_id)
         if e is None:
             return 0
@@ -150,8 +152,11 @@ class PreloadArena:
         return len(e.rows)
 
     def _age(self, now: float) -> None:
-        """Free the rows of preloads ready for longer than PRELOAD_TTL_S (caller holds the
-        lock): a request aborted while queued may never be reported finished to the worker."""
+        """Free the rows of preloads ready for longer than PRELOAD_TTL_S, and forget loads
+        that came first as long ago (caller holds the lock): a request aborted while queued
+        may never be reported finished to the worker, or was before its load ran."""
+        for rid in [rid for rid, t in self._loading.items() if now - t > PRELOAD_TTL_S]:
+            del self._loading[rid]
         old = [rid for rid, e in self._entries.items()
                if not e.pending and now - e.t_ready > PRELOAD_TTL_S]
         unused = sum(self._drop(rid) for rid in old)

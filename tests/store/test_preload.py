@@ -6,6 +6,7 @@ write into them.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -148,6 +149,25 @@ def test_a_finished_request_frees_its_preload(make_worker_on, master, store_node
     assert seen.held() == 4 * per_block
     w.get_transfer_results({"r"})  # aborted while queued
     assert seen.held() == 0 and seen.counters()["preload_keys|0|unused"] == 4
+
+
+def test_a_load_of_a_request_already_finished_is_forgotten_in_time(make_worker_on, master,
+                                                                   store_node, monkeypatch):
+    """A request aborted while its load was queued is reported finished to the worker before
+    the load runs: the load then marks it as loaded before any preload of it (so none starts),
+    and nothing cleared that mark, one per such request for the life of the process. It ages
+    out like a ready preload."""
+    import connector.worker.preload as preload_module
+
+    monkeypatch.setattr(preload_module, "PRELOAD_TTL_S", 0.2)
+    hs, _ = saved(make_worker_on, master, "preload-gone", 2)
+    w, _, _ = reader_of(make_worker_on, master, "preload-gone")
+    w.get_transfer_results({"gone"})  # finished (aborted) before its load ran
+    done, errors = run_step(w, StepMetadata(loads=(BlockTransfer("gone", (4, 5), hs),)))
+    assert done == {"gone"} and not errors and "gone" in w._arena._loading
+    time.sleep(0.3)
+    preload(w, "next", hs)  # a preload ages the arena first
+    assert "gone" not in w._arena._loading
 
 
 def test_rows_a_stuck_get_may_write_stay_held_until_it_returns(make_worker_on, own_cluster):
