@@ -539,8 +539,11 @@ class MooncakeStoreScheduler:
         lk = self._lookups.pop(rid, None)
         if lk is not None:
             self._drop(lk)
-        if rid in self._loading:
-            self._saved.discard(rid)
+        if rid in self._loading:  # vLLM frees it when the load ends: no finished_sending
+            if rid in self._saved:  # saves of its run before a preemption, ended by then
+                self._saved.discard(rid)
+                if self.kv_events is not None:
+                    self.kv_events.settled(rid)
             return True, None
         if rid in self._saved:
             self._saved.discard(rid)

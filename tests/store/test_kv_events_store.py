@@ -315,6 +315,45 @@ def test_a_load_is_dated_from_its_lookups_answer_not_from_when_it_was_queued():
             sched.shutdown()
 
 
+def test_a_request_finished_while_loading_after_a_preemption_settles_its_saves():
+    """A request computed (its saves planned), preempted, admitted again with a load from the
+    store, and aborted during that load: vLLM frees it when the load ends, with no
+    finished_sending, so its planned saves settle when it finishes. Before, its plans (the
+    prompt's tokens) were kept until `kv_events_queue` newer requests pushed them out."""
+    with local_pool("16MB") as (master, _node):
+        client = client_on(master)
+        sched = scheduler_on(master)
+        log, _ = event_log(sched, master)
+        try:
+            req = request("reload", 2)
+            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+            ids = [1, 2, 3]
+            sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 0)
+            step = SimpleNamespace(
+                preempted_req_ids=set(), num_scheduled_tokens={"reload": req.num_tokens},
+                scheduled_new_reqs=[SimpleNamespace(req_id="reload", block_ids=(ids,),
+                                                    num_computed_tokens=0)],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                                      new_block_ids=[], num_computed_tokens=[]))
+            assert sched.build_connector_meta(step).saves
+            assert "reload" in log._plans
+            sched.build_connector_meta(SimpleNamespace(**{
+                **vars(step), "preempted_req_ids": {"reload"}, "scheduled_new_reqs": [],
+                "num_scheduled_tokens": {}}))
+            assert put(client, sched._keys.all_shard_keys(req.block_hashes, 0)) == [0, 0]
+            deadline = time.monotonic() + 10
+            while (hit := sched.get_num_new_matched_tokens(req, 0))[0] is None:
+                assert time.monotonic() < deadline, "lookup never resolved"
+            assert hit == (2 * BS, True)
+            sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],)),
+                                           2 * BS)
+            assert sched.request_finished(req, [4, 5, 6]) == (True, None)  # held: loading
+            assert "reload" not in log._plans
+        finally:
+            log.shutdown()
+            sched.shutdown()
+
+
 def test_a_failed_sweep_removes_nothing():
     """A master admin port that does not answer: the round raises and removes nothing."""
     with local_pool("16MB", extra_args=LEASE) as (master, _node):
