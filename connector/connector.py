@@ -279,6 +279,14 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids[0])
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's connector cache reset: this engine stops using the store
+        (`MooncakeStoreScheduler.forget_store`); the workers keep nothing to reset."""
+        if self.scheduler is None:
+            return None
+        return self.scheduler.forget_store(
+            self.kv_events is not None and vllm_clears(self.scheduler.block_pool))
+
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """vLLM's block pool: sliding-window blocks under a save are pinned in it."""
         if self.scheduler is not None:

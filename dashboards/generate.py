@@ -351,7 +351,8 @@ def kv_events_row() -> Row:
         P("BlockRemoved by source", "ops", (
             (rate(series("kv_events_removals"), "source"), "{{source}}"),
         ), "What found each block gone: sweep (the periodic master query), lookup (a scheduler "
-           "lookup missed it), live_limit (kv_events_max_live reached).", min=0),
+           "lookup missed it), live_limit (kv_events_max_live reached), reset (the connector "
+           "cache was reset: the engine stopped using the store).", min=0),
         P("KV events dropped", "ops", (
             (rate(series("kv_events_dropped"), "kind"), "{{kind}}"),
         ), "Blocks dropped from the events because a bounded queue was full (never waited "

@@ -276,6 +276,7 @@ class StoreEventLog:
         self._thread: threading.Thread | None = None
         self._sweep_failing = False
         self._sweep_keys = SWEEP_KEYS
+        self._withdrawn = False  # this engine stopped using the store (`withdraw_all`)
 
     def _announced(self, group: int) -> bool:
         kind = self._spec[group][0] if group < len(self._spec) else None
@@ -450,15 +451,42 @@ class StoreEventLog:
         run.live = 0  # no live block refers to it now (a save of it may land later)
 
     def _trim(self) -> None:
-        """(Under the lock.) Past `kv_events_max_live`, the oldest live blocks are announced
-        removed. One whose removal the full queue cannot take stays live (a router would
-        otherwise credit it for good): the next `take` makes room and trims again."""
-        while len(self._live) > self.settings.max_live:
+        """(Under the lock.) Past `kv_events_max_live` (every block, once withdrawn), the
+        oldest live blocks are announced removed. One whose removal the full queue cannot take
+        stays live (a router would otherwise credit it for good): the next `take` makes room
+        and trims again."""
+        limit, source = (0, "reset") if self._withdrawn else (self.settings.max_live,
+                                                              "live_limit")
+        while len(self._live) > limit:
             group, h = key = next(iter(self._live))
             if not self._push("removed", self._removed_event(group, h)):
                 break
             self._unlive(key)
-            self._count("kv_events_removals", "live_limit")
+            self._count("kv_events_removals", source)
+
+    def withdraw_all(self, routers_cleared: bool) -> None:
+        """This engine stopped using the store (its connector cache was reset): no planned
+        save is announced, nothing is announced again after vLLM's `AllBlocksCleared`, and
+        the live blocks leave: silently where vLLM's `AllBlocksCleared` for this reset is
+        queued (`routers_cleared`: routers empty every tier of the engine on it, and a removal
+        after it would name a block they no longer hold), else each announced removed, as
+        many as the queue takes now and the rest at the next `take`s."""
+        with self._lock:
+            self._withdrawn = True
+            self._planned.clear()
+            self._ranks.clear()
+            self._plans.clear()
+            self._repeat.clear()
+            if routers_cleared:
+                self._drop_live()
+                return
+            self._trim()
+        self._wake()  # an idle engine publishes them now
+
+    def _drop_live(self) -> None:
+        """(Under the lock.) Every live block leaves the live set, unannounced."""
+        for key in list(self._live):
+            self._unlive(key)
 
     def _stored_event(self, pieces: Sequence[tuple[_Run, int, int]]) -> BlockStored:
         """One `BlockStored` for blocks of one group, each the child of the one before: the
@@ -490,6 +518,9 @@ class StoreEventLog:
         reset), which routers apply to every tier, the store's included: announce every live
         block again after it, a queue's worth per step (`take`)."""
         with self._lock:
+            if self._withdrawn:  # being withdrawn: routers just dropped them all
+                self._drop_live()
+                return
             self._repeat = deque(self._live)
 
     # -- removed

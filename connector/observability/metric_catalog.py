@@ -163,7 +163,7 @@ FAMILIES: tuple[Family, ...] = (
            "How much master CPU do the engines' sweeps take (a longer kv_events_sweep_s or a smaller kv_events_max_live asks less)?"),
     Family("kv_events_sweep_seconds", "counter", (), "Wall time the removal sweep spent in its rounds, ok or failed: divided by kv_events_sweeps_total, a round's mean length. A removal reaches the router within kv_events_sweep_s plus one round.",
            "How stale can the router's view of the store get (kv_events_sweep_s plus a round)?"),
-    Family("kv_events_removals", "counter", ("source",), "BlockRemoved events by what found the block gone: sweep (the periodic query of the master), lookup (a scheduler lookup missed it), live_limit (kv_events_max_live reached: the oldest announced block is withdrawn).",
+    Family("kv_events_removals", "counter", ("source",), "BlockRemoved events by what found the block gone: sweep (the periodic query of the master), lookup (a scheduler lookup missed it), live_limit (kv_events_max_live reached: the oldest announced block is withdrawn), reset (the connector cache was reset: this engine stopped using the store and withdraws every block).",
            "Which path detects the store's evictions?"),
 )
 
@@ -181,7 +181,7 @@ TTFT_PHASES = ("lookup", "admit", "load_start", "load_queue", "load_transfer", "
                "handoff", "reschedule")
 TTFT_MODES = ("async", "sync")
 KV_EVENT_KINDS = ("stored", "removed", "landed")
-KV_REMOVAL_SOURCES = ("sweep", "lookup", "live_limit")
+KV_REMOVAL_SOURCES = ("sweep", "lookup", "live_limit", "reset")
 KV_SWEEP_RESULTS = ("ok", "error", "off")
 # (op, code) pairs a deployment can meet (codes from connector.store.client: Mooncake's ErrorCode
 # values, "unavailable" while the store is not connected, timeout and shutdown from the job

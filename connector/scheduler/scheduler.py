@@ -551,6 +551,31 @@ class MooncakeStoreScheduler:
             return True, None
         return False, None
 
+    def forget_store(self, routers_cleared: bool) -> bool:
+        """vLLM reset its connector cache (`reset_prefix_cache(reset_connector=True)`, which
+        `pause_generation(clear_cache=True)` does around a weight update). The store's blocks
+        may have been computed with other weights, and what this engine would write may not be
+        what the engines sharing its keys expect; the store is shared, so it is not wiped.
+        This engine stops loading from and saving to it until it restarts, and withdraws its
+        store KV events (`routers_cleared`: vLLM's `AllBlocksCleared` for this reset is
+        queued). True: no stored KV reaches this engine any more."""
+        if self.config.enable_load or self._save:
+            logger.warning(
+                "connector cache reset: this engine no longer loads from or saves to the "
+                "Mooncake store until it restarts (blocks there may be another weight "
+                "version's, and the store is shared, so nothing was removed from it); after a "
+                "weight update, restart with a cache_prefix of the new weights' own")
+        self.config = dataclasses.replace(self.config, enable_load=False, enable_save=False)
+        self._save = False
+        self._tracked.clear()  # no further saves; those in flight still hold their blocks
+        self._arrived.clear()
+        self._ahead.clear()
+        for rid in list(self._lookups):
+            self._drop(self._lookups.pop(rid))
+        if self.kv_events is not None:
+            self.kv_events.withdraw_all(routers_cleared)
+        return True
+
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel queued lookups; close the client once no lookup can still be inside a call
         on it, including those given up on (at once if the running ones end within

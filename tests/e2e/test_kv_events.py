@@ -15,6 +15,8 @@ One small store (a 16 MB store node segment, leases of 0.5 s) and two engine sta
   its blocks: B can load them too), and announces each block it writes once.
 - B's prefix cache is reset: vLLM's `AllBlocksCleared` empties a router's view of B, and B
   announces its store blocks again right after it.
+- B's connector cache is reset (`reset_external=true`, as around a weight update): B stops
+  using the store, and announces none of its blocks again.
 Both store two objects per block (store_tp_size 2), so one block is announced once for two
 writes; two TP ranks' reports merged into one announcement per block are tested against a real store
 with two worker ranks (tests/store/test_kv_events_store.py) and on the TP=2 engines of
@@ -297,3 +299,30 @@ def test_a_cache_reset_keeps_the_store_blocks_credited(b, sub):
                  "AllBlocksCleared, then B's store blocks announced again", b)
     print(f"after the reset: {len(t.live)} store blocks live again for B")
     assert t.violations == [], t.violations[:5]
+
+
+def test_a_connector_cache_reset_withdraws_b_from_the_store(b, sub):
+    """`POST /reset_prefix_cache?reset_external=true`, vLLM's connector cache reset (which
+    `pause_generation(clear_cache=True)` does around a weight update): the store's blocks may
+    be another weight version's, and it is shared, so it is not wiped; B stops using it until
+    it restarts. Its router view is empty after vLLM's AllBlocksCleared and B announces no
+    store block again; a new prompt is looked up and saved before the reset, not after."""
+    fresh = prompts(3, 2)
+    lookups = counter(b, "lookups")
+    b.complete(fresh[0])
+    assert counter(b, "lookups") > lookups, "a new prompt was not looked up before the reset"
+    before = sub.view("b")
+    assert before.live, "B holds no store block: nothing to withdraw"
+    deadline = time.monotonic() + 60
+    while not b.post("/reset_prefix_cache?reset_external=true")["success"]:
+        assert time.monotonic() < deadline, b.log_tail(20)
+        time.sleep(0.1)
+    t = sub.wait("b", lambda t: len(t.clears) > len(before.clears) and not t.live,
+                 "AllBlocksCleared, B's store blocks not announced again", b)
+    lookups, saved = counter(b, "lookups"), counter(b, "save_keys")
+    b.complete(fresh[1])
+    b.complete(fresh[1])  # the second would load what the first saved
+    after = sub.view("b")
+    assert counter(b, "lookups") == lookups and counter(b, "save_keys") == saved
+    assert not after.live and after.events == t.events and after.violations == []
+    assert "no longer loads from or saves to the Mooncake store" in b.log_tail(400)

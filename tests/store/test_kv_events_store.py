@@ -354,6 +354,46 @@ def test_a_request_finished_while_loading_after_a_preemption_settles_its_saves()
             sched.shutdown()
 
 
+@pytest.mark.parametrize("routers_cleared", [False, True])
+def test_a_connector_cache_reset_stops_the_store_and_withdraws_every_block(routers_cleared):
+    """vLLM's connector cache reset (as around a weight update): the engine stops looking up
+    and saving (the store's blocks may be another weight version's; shared, it is not wiped)
+    and withdraws every block it announced: each announced removed, or, where vLLM's
+    AllBlocksCleared for the reset is queued, dropped silently (a removal after it would name
+    a block routers no longer hold). None is announced again after an AllBlocksCleared."""
+    with local_pool("16MB") as (master, _node):
+        client = client_on(master)
+        sched = scheduler_on(master)
+        log, counts = event_log(sched, master)
+        try:
+            req = request(f"reset-{routers_cleared}", 3)
+            keys = announce(log, client, sched, req)
+            assert sched.forget_store(routers_cleared) is True
+            want = set() if routers_cleared else {external_hash(h) for h in req.block_hashes}
+            assert removed_hashes(log.take()) == want
+            assert counts[("kv_events_removals", "reset")] == len(want) and not log.live()
+            log.cleared()  # vLLM's own prefix cache reset: nothing to announce again
+            assert log.take() == []
+            # No lookup of a prompt the store holds, and no save of one computed.
+            calls = []
+            sched._exist = lambda keys: calls.append(keys) or [1] * len(keys)
+            again = SimpleNamespace(**{**vars(req), "request_id": "again"})
+            assert sched.get_num_new_matched_tokens(again, 0) == (0, False) and not calls
+            sched.update_state_after_alloc(again, SimpleNamespace(get_block_ids=lambda: (
+                [1, 2, 3, 4],)), 0)
+            assert not sched.build_connector_meta(SimpleNamespace(
+                preempted_req_ids=set(), num_scheduled_tokens={"again": again.num_tokens},
+                scheduled_new_reqs=[SimpleNamespace(req_id="again", block_ids=([1, 2, 3, 4],),
+                                                    num_computed_tokens=0)],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                                      new_block_ids=[],
+                                                      num_computed_tokens=[]))).saves
+            assert client.batch_is_exist(keys) == [1, 1, 1]  # the shared store kept them
+        finally:
+            log.shutdown()
+            sched.shutdown()
+
+
 def test_a_failed_sweep_removes_nothing():
     """A master admin port that does not answer: the round raises and removes nothing."""
     with local_pool("16MB", extra_args=LEASE) as (master, _node):
