@@ -51,6 +51,9 @@ class LoadEvent:
     # Copied from the request's preload (connector.worker.preload), not read from the store
     # by this job: its nbytes are 0, and its time is no transfer estimate.
     preloaded: bool = False
+    # Its preparation and store call were timed: not a preload's copy, nor a job the watchdog
+    # or a shutdown expired (its phases unknown). Only such jobs feed the phase histograms.
+    phases: bool = True
 
     @property
     def ok(self) -> bool:
@@ -75,6 +78,7 @@ class SaveEvent:
     t_exists_end: float
     t_end: float
     trace_parent: Any = None
+    ran: bool = True  # False: lost before it ran (or while running): no phase was timed
 
 
 @dataclass(slots=True)

@@ -68,12 +68,12 @@ FAMILIES: tuple[Family, ...] = (
            "Which threads are busy right now?"),
     Family("load_queue_wait_seconds", "histogram", _T, "Time a load job waited in the shared queue before a thread took it.",
            "Would more threads cut load latency?"),
-    Family("load_prepare_seconds", "histogram", _T, "Python preparation of a load job (keys, addresses) before any store call.",
+    Family("load_prepare_seconds", "histogram", _T, "Python preparation of a load job (keys, addresses) before any store call (jobs that made their own: not a preload's copy, nor one expired by the watchdog or at shutdown).",
            "Is preparation (GIL) the bottleneck? (High on long prompts: does address_cache_size "
            "cover the KV cache's blocks? The worker's startup log says.)"),
     Family("load_master_lookup_seconds", "histogram", _T, "Master replica lookup for a load job's keys (sampled jobs).",
            "Is the Mooncake master slow?"),
-    Family("load_transfer_seconds", "histogram", _T, "Data phase of a load: the batch get minus the master lookup.",
+    Family("load_transfer_seconds", "histogram", _T, "Data phase of a load: the batch get minus the master lookup (successful jobs that read the store themselves: not a preload's copy).",
            "Is the network / transfer engine slow?"),
     Family("load_job_seconds", "histogram", _T, "Whole load job, from enqueue to completion.",
            "How long do requests wait for KV from the store?"),
@@ -90,7 +90,7 @@ FAMILIES: tuple[Family, ...] = (
     # Save path.
     Family("save_queue_depth", "gauge", _R, "Save jobs waiting for the save thread (sampled each step).",
            "Is the save thread falling behind?"),
-    Family("save_ready_wait_seconds", "histogram", _R, "Wait for the step's KV to be ready (CUDA event) before a put.",
+    Family("save_ready_wait_seconds", "histogram", _R, "Wait for the step's KV to be ready (CUDA event) before a put (saves that ran: not one dropped or expired before it did).",
            "Do saves stall on the forward pass?"),
     Family("save_put_seconds", "histogram", _R, "Store put of a save job's new blocks.",
            "How long do puts take?"),

@@ -215,15 +215,18 @@ class StatsRecorder(Subscriber):
         transfer_s = max(0.0, get_s - self._lookup_ewma[slot])
         with self._lock:
             self._sample(k["load_queue_wait_seconds"], ev.t_start - ev.t_enqueue)
-            self._sample(k["load_prepare_seconds"], ev.t_prepared - ev.t_start)
+            if ev.phases:  # a preload's copy or an expired job would add zeros
+                self._sample(k["load_prepare_seconds"], ev.t_prepared - ev.t_start)
             if ev.lookup_sampled:
                 self._sample(k["load_master_lookup_seconds"], lookup_s)
             job_s = ev.t_end - ev.t_enqueue
             self._sample(k["load_job_seconds"], job_s)
             self._c[k["load_busy_seconds"]] += ev.t_end - ev.t_start
-            self._last[slot] = (ev, (job_s, transfer_s if ev.ok else None))
-            if ev.ok:
+            timed = ev.ok and ev.phases
+            self._last[slot] = (ev, (job_s, transfer_s if timed else None))
+            if timed:
                 self._sample(k["load_transfer_seconds"], transfer_s)
+            if ev.ok:
                 self._c[k["ok"]] += 1
             else:
                 self._c[k["error"]] += 1
@@ -257,7 +260,8 @@ class StatsRecorder(Subscriber):
     def on_save(self, ev: SaveEvent) -> None:
         k = self._rkeys
         with self._lock:
-            self._sample(k["save_ready_wait_seconds"], ev.t_ready - ev.t_start)
+            if ev.ran:  # a lost save waited for nothing
+                self._sample(k["save_ready_wait_seconds"], ev.t_ready - ev.t_start)
             if ev.keys:
                 self._sample(k["save_put_seconds"], ev.t_end - ev.t_exists_end)
             self._c[k["save_bytes"]] += ev.nbytes

@@ -642,7 +642,7 @@ class MooncakeStoreWorker:
             code=code, t_enqueue=job.t_enqueue, t_start=t_start, t_prepared=t_prepared,
             t_lookup_end=t_lookup_end, t_end=time.perf_counter(), lookup_sampled=sampled,
             trace_parent=job.trace_parent, tiers=tiers, loaded_keys=loaded, group=t.group,
-            preloaded=preloaded is not None))
+            preloaded=preloaded is not None, phases=preloaded is None))
 
     def _from_arena(self, t: BlockTransfer, keys: list[str], units: list[int],
                     ticket: Ticket[_Job]) -> list[int] | None:
@@ -729,7 +729,8 @@ class MooncakeStoreWorker:
             thread=slot, tp_rank=self.tp_rank, request_hash=request_hash(t.req_id),
             keys=len(t.block_ids), nbytes=0, failed_blocks=len(t.block_ids), code=reason,
             t_enqueue=job.t_enqueue, t_start=start, t_prepared=start, t_lookup_end=start,
-            t_end=now, lookup_sampled=False, trace_parent=job.trace_parent, group=t.group))
+            t_end=now, lookup_sampled=False, trace_parent=job.trace_parent, group=t.group,
+            phases=False))
 
     # ---- save job (runs on the save thread) ------------------------------------------------
     def _release(self, job: _Job) -> None:
@@ -836,7 +837,7 @@ class MooncakeStoreWorker:
             tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0,
             failed_keys=self._offered_keys(t), nbytes=0, code=reason, failed_op="save",
             t_enqueue=t_enqueue, t_start=now, t_ready=now, t_exists_end=now, t_end=now,
-            trace_parent=trace))
+            trace_parent=trace, ran=False))
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:

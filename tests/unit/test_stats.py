@@ -231,3 +231,25 @@ def test_traced_jobs_become_openmetrics_exemplars_counted_once():
                   if "pool_load_job_seconds_bucket" in line and " # " in line)
     assert f'# {{span_id="{"cd" * 8}",trace_id="{"ab" * 16}"}}' in bucket
     assert " # " not in generate_latest(reg).decode()  # the text format has no exemplars
+
+
+def test_only_jobs_that_ran_their_phases_feed_the_phase_histograms():
+    """A load copied from its preload, or expired by the watchdog, had no preparation or
+    transfer of its own; a save lost before it ran waited for nothing. Their zeros dragged the
+    Preparation, Transfer and ready-wait panels toward 0 (a slow network hidden by preloads).
+    They still count as jobs, with their queue wait."""
+    import dataclasses
+
+    rec = StatsRecorder(0, 1, lambda: gauges(0))
+    rec.on_load(load_event(0, 0))
+    rec.on_load(dataclasses.replace(load_event(0, 0), nbytes=0, preloaded=True, phases=False))
+    rec.on_load(dataclasses.replace(load_event(0, 0, code="timeout"), phases=False))
+    rec.on_save(SaveEvent(0, "h", 3, 1, 2, 3 * 4096, "", "save", 0, 0.1, 0.2, 0.3, 0.4))
+    rec.on_save(SaveEvent(0, "h", 0, 0, 4, 0, "abandoned", "save", 0, 0.5, 0.5, 0.5, 0.5,
+                          ran=False))
+    snap = rec.snapshot().data
+    h = {k: len(v) for k, v in snap["h"].items() if v}
+    assert h["load_prepare_seconds|0|0"] == h["load_transfer_seconds|0|0"] == 1
+    assert h["load_job_seconds|0|0"] == h["load_queue_wait_seconds|0|0"] == 3
+    assert h["save_ready_wait_seconds|0"] == 1
+    assert snap["c"]["load_jobs|0|0|ok"] == 2 and snap["c"]["save_error_keys|0"] == 6
