@@ -277,6 +277,7 @@ class StoreEventLog:
         self._sweep_failing = False
         self._sweep_keys = SWEEP_KEYS
         self._withdrawn = False  # this engine stopped using the store (`withdraw_all`)
+        self._held: set[tuple[int, bytes]] = set()  # live blocks whose removal waits for room
 
     def _announced(self, group: int) -> bool:
         kind = self._spec[group][0] if group < len(self._spec) else None
@@ -431,6 +432,7 @@ class StoreEventLog:
         _, run = self._live.pop(key)
         run.live -= 1
         self._cut(run)
+        self._held.discard(key)
 
     def _cut(self, run: _Run) -> None:
         """(Under the lock.) A run under a quarter of whose blocks are live is cut down to
@@ -459,7 +461,7 @@ class StoreEventLog:
                                                               "live_limit")
         while len(self._live) > limit:
             group, h = key = next(iter(self._live))
-            if not self._push("removed", self._removed_event(group, h)):
+            if not self._push_removed(key):
                 break
             self._unlive(key)
             self._count("kv_events_removals", source)
@@ -538,7 +540,7 @@ class StoreEventLog:
                 seen = self._live.get(key)
                 if seen is None or seen[0] >= before:
                     continue
-                if not self._push("removed", self._removed_event(*key)):
+                if not self._push_removed(key):
                     break
                 self._unlive(key)
                 n += 1
@@ -552,11 +554,24 @@ class StoreEventLog:
             return list(self._live)
 
     # -- queue
+    def _push_removed(self, key: tuple[int, bytes]) -> bool:
+        """(Under the lock.) Queue block `key`'s `BlockRemoved`; False when the full queue
+        cannot take it: the block stays live for a later query or `take` to try again, and is
+        counted (kind removed) the first time only, not at every try."""
+        if self._push("removed", self._removed_event(*key)):
+            return True
+        if key not in self._held:
+            self._held.add(key)
+            self._count("kv_events_dropped", "removed")
+        return False
+
     def _push(self, kind: str, ev: KVCacheEvent, blocks: int = 1) -> bool:
-        """Queue an event of `blocks` blocks (under the lock); False, counted, when the queue
-        (`kv_events_queue` blocks) has no room for them."""
+        """Queue an event of `blocks` blocks (under the lock); False when the queue
+        (`kv_events_queue` blocks) has no room for them (a `BlockStored` is then dropped and
+        counted here; a removal waits: `_push_removed`)."""
         if self._queued_blocks + blocks > self.settings.queue:
-            self._count("kv_events_dropped", kind, n=blocks)
+            if kind == "stored":
+                self._count("kv_events_dropped", kind, n=blocks)
             return False
         self._queue.append((kind, ev))
         self._queued_blocks += blocks
