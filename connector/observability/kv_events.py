@@ -137,7 +137,9 @@ class LandedShards(KVConnectorKVEvents):
 class WorkerLanded:
     """A worker's saved blocks, from its save jobs (`MooncakeStoreWorker.on_landed`, called
     on the save thread before the job's request can be reported done) until the step's output
-    takes them. Bounded: past `cap` blocks the rest are dropped and counted (kind landed)."""
+    takes them. Bounded: past `cap` blocks the rest are dropped and counted (kind landed), by
+    rank 0 only: every rank saves the same blocks under the same bound, and a block any rank
+    dropped is not announced, so vLLM's sum over the ranks would count each loss per rank."""
 
     def __init__(self, tp_rank: int, cap: int, count: Callable[..., None]) -> None:
         self._rank, self._cap, self._count = tp_rank, cap, count
@@ -152,7 +154,7 @@ class WorkerLanded:
                 kept = tuple(hashes[:room])
                 self._records.append((self._rank, group, kept))
                 self._blocks += len(kept)
-        if len(hashes) > room:
+        if len(hashes) > room and self._rank == 0:
             self._count("kv_events_dropped", "landed", n=len(hashes) - room)
 
     def take(self) -> LandedShards | None:

@@ -364,20 +364,24 @@ def test_a_sweep_asks_fewer_keys_a_request_once_a_proxy_refuses_its_urls(caplog)
     assert len(ev_log.live()) == 300, "a failed round removes nothing"
 
 
-def test_worker_records_are_bounded():
+def test_worker_records_are_bounded_and_a_drop_counts_once_for_every_rank():
+    """Past its bound a rank drops the rest of its reports. Every rank saves the same blocks
+    under the same bound, and a block any rank dropped is not announced: the drop counts once
+    (on rank 0), not once per rank, as vLLM sums the ranks' counters."""
     counts = Counts()
-    w = WorkerLanded(1, 16, counts)
-    assert w.take() is None
-    w.add(0, [bytes([i]) * 32 for i in range(10)])
-    w.add(1, [bytes([i]) * 32 for i in range(10)])
-    w.add(0, [b"late" * 8])  # no room left: dropped whole
-    out = w.take()
     hashes = [bytes([i]) * 32 for i in range(10)]
-    assert out.get_all_events() == [(1, 0, tuple(hashes)), (1, 1, tuple(hashes[:6]))]
+    for rank in (0, 1):
+        w = WorkerLanded(rank, 16, counts)
+        assert w.take() is None
+        w.add(0, hashes)
+        w.add(1, hashes)
+        w.add(0, [b"late" * 8])  # no room left: dropped whole
+        out = w.take()
+        assert out.get_all_events() == [(rank, 0, tuple(hashes)), (rank, 1, tuple(hashes[:6]))]
+        assert w.take() is None
+        w.add(0, hashes[:1])  # taken: room again
+        assert w.take().get_all_events() == [(rank, 0, tuple(hashes[:1]))]
     assert counts.c[("kv_events_dropped", "landed")] == 5
-    assert w.take() is None
-    w.add(0, hashes[:1])  # taken: room again
-    assert w.take().get_all_events() == [(1, 0, tuple(hashes[:1]))]
 
 
 def test_worker_landed_needs_every_shard_of_the_rank():
