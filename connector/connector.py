@@ -112,6 +112,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler = None
         self.worker = None
         self.kv_events: Any = None  # StoreEventLog (scheduler) or WorkerLanded (worker)
+        self._reported_busy = False  # the worker's last settled state sent (gauge_refresh)
         try:
             from connector.observability.kv_event_settings import event_settings
 
@@ -126,9 +127,13 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
                 for line in apply_policy(vllm_config, self.config.on_load_failure):
                     logger.info("PooledMooncakeStoreConnector: %s", line)
+                from connector.scheduler.engine_wakeup import EngineWakeup
+
+                self._wakeup = EngineWakeup.find()  # now: it looks up the constructing loop
                 self.scheduler = MooncakeStoreScheduler(
                     self.config, self.keys, vllm_config.cache_config.block_size, self.groups,
-                    getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0))
+                    getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0),
+                    wake=self._wakeup.wake)
                 if self.config.enable_save and not self.scheduler.saves:
                     logger.warning(
                         "PooledMooncakeStoreConnector: store_tp_size=%d is below the TP size "
@@ -187,12 +192,11 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if st is None or not sched.saves:
             return
         from connector.observability.kv_events import StoreEventLog
-        from connector.scheduler.engine_wakeup import EngineWakeup
 
         self.kv_events = sched.kv_events = StoreEventLog(
             st, self.keys.layout.tp_size, self._vllm_config.cache_config.block_size,
             lambda hashes, g: sched._keys.all_shard_keys(hashes, g), self.keys.layout.shards,
-            sched.recorder.count, _spec_kinds(kv_cache_config), EngineWakeup.find().wake)
+            sched.recorder.count, _spec_kinds(kv_cache_config), self._wakeup.wake)
         if st.sweep_off:
             sched.recorder.count("kv_events_sweeps", "off")
             logger.warning("PooledMooncakeStoreConnector: %s", st.sweep_off)
@@ -263,9 +267,12 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self.kv_events.settled(rid)
 
     def has_pending_push_work(self) -> bool:
-        """Store events wait for vLLM's publisher: an idle engine steps to hand them over."""
-        return self.scheduler is not None and self.kv_events is not None and \
-            self.kv_events.pending()
+        """Store events wait for vLLM's publisher, or a worker's gauges are due on /metrics
+        (scheduler.gauge_refresh): an idle engine steps to hand them over."""
+        if self.scheduler is None:
+            return False
+        return self.scheduler.gauges.due or (self.kv_events is not None
+                                             and self.kv_events.pending())
 
     def take_events(self) -> Any:
         """The store's KV events for vLLM's publisher (connector.observability.kv_events)."""
@@ -344,8 +351,11 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         layout = {w.tp_rank: w.kv_signature} if (isinstance(meta, StepMetadata)
                                                  and meta.need_layout and w.kv_signature) else {}
         times, ready = w.take_load_times(), w.take_preloads_ready()
-        return WorkerReport(layout, times, dict.fromkeys(ready, 1)) \
-            if layout or times is not None or ready else None
+        busy = not w.settled()
+        unsettled = {w.tp_rank: busy} if busy != self._reported_busy else {}
+        self._reported_busy = busy
+        return WorkerReport(layout, times, dict.fromkeys(ready, 1), unsettled) \
+            if layout or times is not None or ready or unsettled else None
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         """This step's saved blocks, for the scheduler's store events (observability.kv_events)."""

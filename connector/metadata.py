@@ -94,6 +94,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
     layout: dict[int, str]  # tp rank -> kv_signature; empty once the scheduler has it
     load_times: Any = None  # LoadTimes or None
     preloaded: dict[str, int] = field(default_factory=dict)  # req_id -> ranks
+    # tp rank -> not settled (scheduler.gauge_refresh), from the ranks whose state changed
+    unsettled: dict[int, bool] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, WorkerReport):
@@ -102,4 +104,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
             self.load_times if other.load_times is None else \
             self.load_times.aggregate(other.load_times)
         return WorkerReport({**self.layout, **other.layout}, times,
-                            dict(Counter(self.preloaded) + Counter(other.preloaded)))
+                            dict(Counter(self.preloaded) + Counter(other.preloaded)),
+                            {**self.unsettled, **other.unsettled})

@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -52,6 +52,7 @@ from connector.metadata import BlockTransfer, Preload, StepMetadata, WorkerRepor
 from connector.observability.events import LookupEvent, Publisher
 from connector.observability.stats import StatsRecorder
 from connector.observability.ttft import LoadTimes, RequestClock
+from connector.scheduler.gauge_refresh import GaugeRefresh
 from connector.scheduler.load_failures import in_step_allowed
 from connector.scheduler.prefix_probe import Late, PrefixProbe
 from connector.scheduler.step_loads import StepLoadPolicy
@@ -93,7 +94,7 @@ class _Lookup:
 class MooncakeStoreScheduler:
     def __init__(self, config: ConnectorConfig, keys: KeyBuilder, block_size: int,
                  groups: tuple[GroupSpec, ...] = ONE_FULL,
-                 retention: int | None = 0) -> None:
+                 retention: int | None = 0, wake: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self._keys = keys
         self._tp_size = keys.layout.tp_size
@@ -112,6 +113,7 @@ class MooncakeStoreScheduler:
                                   on_probe_error=lambda: self.recorder.count(
                                       "master_probe_errors", 0))
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
+        self.gauges = GaugeRefresh(wake)  # idle steps while a worker's gauges move
         self._lookups: dict[str, _Lookup] = {}
         # Lookups started before vLLM asked (lookup_ahead): their prefixes' hashes.
         self._ahead: dict[str, tuple[bytes, ...]] = {}
@@ -420,6 +422,7 @@ class MooncakeStoreScheduler:
             self._plan_save(tr, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid],
                             saves)
         self.step_waited_s = 0.0  # a new step: a new lookup-wait budget
+        self.gauges.stepped()
         now = time.perf_counter()
         self.clock.scheduled((new.req_id for new in so.scheduled_new_reqs), now)
         for mode, loads in (("async", self._loads), ("sync", self._sync_loads)):
@@ -511,6 +514,7 @@ class MooncakeStoreScheduler:
             for rid, ranks in times.preloaded.items():
                 if rid in self._preloaded:  # else finished, or its load was planned
                     self._preloaded[rid] += ranks
+            self.gauges.report(times.unsettled)
             times = times.load_times
         if isinstance(times, LoadTimes):
             self._step_loads.observe(times)
@@ -581,6 +585,7 @@ class MooncakeStoreScheduler:
         on it, including those given up on (at once if the running ones end within
         `timeout`, else in the background)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.gauges.shutdown()
         running = [f for f in (*(lk.future for lk in self._lookups.values()), *self._abandoned)
                    if not f.done()]
         _, stuck = cf.wait(running, timeout=timeout)

@@ -561,6 +561,16 @@ class MooncakeStoreWorker:
             layout=(self._keys.fingerprint, self._keys.layout.hash_algo,
                     "staged" if self._staged else "multibuffer") if self._regions else None)
 
+    def settled(self) -> bool:
+        """Nothing on /metrics that an idle engine would leave stale: no job queued or running
+        in any pool (a retired thread's call included), no preload rows held, the master
+        answering. While not, the scheduler steps an idle engine now and then so the gauges
+        follow (connector.scheduler.gauge_refresh)."""
+        pools = (self.pool, self.save_pool, self.step_pool, self.preload_pool)
+        return (all(p is None or p.idle for p in pools)
+                and (self._arena is None or not self._arena.rows_in_use)
+                and self._store.ready() is not None)
+
     def _master_outage(self) -> dict[str, float]:
         failovers, seconds = self._store.take_outage()
         out = {stat_key("master_failovers", self.tp_rank): failovers,

@@ -1,4 +1,5 @@
-"""A save past its deadline never stores another request's KV, end to end.
+"""A save past its deadline never stores another request's KV, end to end; and an idle engine
+shows the stuck call's end on /metrics.
 
 `staging: off`, the path GPUs take: every put is a zero-copy call that reads the KV blocks for
 its whole duration. A store node of this module's own is frozen (SIGSTOP) until a save call
@@ -100,3 +101,35 @@ def test_frozen_store_node_past_the_save_deadline_stores_only_right_blocks(tiny_
     assert served == truth * 2, "a request served during the freeze changed its output"
     assert again == truth, "a block loaded from the store holds another request's KV"
     assert metric_sum(m, P + "load_bytes_total") > 0, "nothing was loaded from the store"
+
+
+def test_an_idle_engine_shows_a_stuck_save_end_on_metrics(tiny_model, cluster):
+    """A worker's gauges reach /metrics only in an engine step's output, and an idle engine
+    takes none. A staged save stuck on a frozen store node is expired at its deadline (its
+    request then finishes: the engine goes idle) while its put still runs: the thread counts as
+    stuck. Once the node answers, the put returns, and with no request meanwhile /metrics
+    shows it (connector/scheduler/gauge_refresh.py); before, `threads_stuck` stayed at 1, and
+    its critical alert fired on a healthy idle engine, until the next request."""
+    master, node = cluster
+    a = VllmServer(tiny_model, connector_kv_config(engine_extra(
+        master, cache_prefix="idle-gauges", staging="on", save_timeout_s=0.5,
+        transfer_timeout=30)), max_model_len=1024)
+    try:
+        a.start()
+        freeze(node.proc)
+        try:
+            a.complete(make_prompts(1, seed=31)[0], max_tokens=1)
+            deadline = time.monotonic() + 60
+            while metric_sum(a.metrics(), P + "threads_stuck", op="save") == 0:
+                assert time.monotonic() < deadline, "the save never counted as stuck"
+                time.sleep(0.2)
+        finally:
+            thaw(node.proc)
+        deadline = time.monotonic() + 60
+        while metric_sum(m := a.metrics(), P + "threads_stuck") > 0:
+            assert time.monotonic() < deadline, (
+                f"threads_stuck stayed {metric_sum(m, P + 'threads_stuck')} on an idle engine")
+            time.sleep(0.2)
+        assert metric_sum(m, "vllm:request_success_total") == 1  # no request since
+    finally:
+        a.stop()
