@@ -124,18 +124,31 @@ def cluster_id(cfg: StoreConfig) -> str:
 
 
 def etcd_leader(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
-    """(the leader an HA group publishes in etcd, "" while none; why it cannot be read)."""
-    ep, err = _probe_any(etcd_endpoints(cfg.master_server_address, "master_server_address"),
-                         timeout)
-    if ep is None:
-        return "", f"no etcd endpoint of {cfg.master_server_address} answers ({err})"
+    """(the leader an HA group publishes in etcd, "" while none; why it cannot be read). Each
+    endpoint in turn until one answers the read: a member that accepts connections but does
+    not answer (frozen, or cut off from the others, often in the very failure that moves the
+    master) must not hide the members that do."""
+    errors = []
+    for ep in etcd_endpoints(cfg.master_server_address, "master_server_address"):
+        host, port = ep.rsplit(":", 1)
+        if (err := _probe_tcp(host, int(port), timeout)) is not None:
+            errors.append(f"{ep}: {err}")
+            continue
+        try:
+            return _read_master_view(cfg, ep, timeout), None
+        except OSError as e:
+            errors.append(f"{ep} did not answer a read of the master view ({e})")
+    return "", f"no etcd endpoint of {cfg.master_server_address} answers: {'; '.join(errors)}"
+
+
+def _read_master_view(cfg: StoreConfig, ep: str, timeout: float) -> str:
+    """The leader etcd endpoint `ep` names ("" while none); OSError when it does not answer,
+    EtcdGarbage when it answers with something else."""
     key = base64.b64encode(f"mooncake-store/{cluster_id(cfg)}/master_view".encode()).decode()
     req = urllib.request.Request(f"http://{ep}/v3/kv/range", data=json.dumps({"key": key}).encode())
     try:  # etcd's JSON gateway: no etcd client library needed
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
-    except OSError as e:
-        return "", f"etcd {ep} did not answer a read of the master view ({e})"
     except http.client.HTTPException as e:  # BadStatusLine, IncompleteRead, ...
         raise EtcdGarbage(f"master_server_address: etcd {ep} answered a read of the master "
                           f"view with a broken HTTP response ({e!r})") from e
@@ -148,7 +161,7 @@ def etcd_leader(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     if leader and not _is_host_port(leader):
         raise EtcdGarbage(f"master_server_address: etcd {ep} names {leader[:80]!r} as the "
                           f"leader of cluster id {cluster_id(cfg)!r}, not host:port")
-    return leader, None
+    return leader
 
 
 def _is_host_port(address: str) -> bool:
@@ -190,7 +203,8 @@ def check_reachable(cfg: StoreConfig, timeout: float) -> str:
             raise StoreUnavailable(f"metadata_server: no etcd endpoint of {cfg.metadata_server} "
                                    f"answers ({err}); start etcd there or fix the address")
     if url.scheme in ("http", "https"):
-        err = _probe_tcp(url.hostname or "", url.port or 80, timeout)
+        err = _probe_tcp(url.hostname or "", url.port or (443 if url.scheme == "https" else 80),
+                         timeout)
         if err:
             raise StoreUnavailable(
                 f"metadata_server: {cfg.metadata_server} is unreachable ({err}); start the "

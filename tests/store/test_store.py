@@ -237,6 +237,38 @@ def test_probe_survives_etcd_answering_garbage(ha_etcd_proxy, kind):
         proxy.set_mode("forward")
 
 
+def test_the_leader_is_read_from_the_first_etcd_member_that_answers(ha_etcd, monkeypatch):
+    """An etcd member that accepts connections but never answers (frozen, or cut off from the
+    others in the very failure that moves the master) listed first: the leader is read from
+    the next member. Before, only the first member that accepted a connection was asked, so
+    neither startup nor the breaker's probe could find the master while it hung."""
+    import base64
+    import json
+    import socket
+    import urllib.request
+    import uuid
+
+    from connector.config import CLUSTER_ID_ENV
+    from connector.store.client import etcd_leader
+
+    monkeypatch.delenv(CLUSTER_ID_ENV, raising=False)
+    etcd, cid = ha_etcd[0], f"first-member-{uuid.uuid4().hex[:8]}"
+    view = {"key": base64.b64encode(f"mooncake-store/{cid}/master_view".encode()).decode(),
+            "value": base64.b64encode(b"127.0.0.1:4242").decode()}
+    urllib.request.urlopen(urllib.request.Request(
+        f"http://{etcd.endpoint}/v3/kv/put", data=json.dumps(view).encode()), timeout=10).read()
+    silent = socket.socket()
+    try:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes connections; nothing ever answers
+        address = f"etcd://127.0.0.1:{silent.getsockname()[1]},{etcd.endpoint}"
+        cfg = load_config({"master_server_address": address, "metadata_server": address,
+                           "cluster_id": cid}, environ={}).store
+        assert etcd_leader(cfg, 0.5) == ("127.0.0.1:4242", None)
+    finally:
+        silent.close()
+
+
 def test_startup_with_etcd_answering_garbage_names_the_field(ha_etcd_proxy):
     cluster, proxy, _, _ = ha_etcd_proxy
     proxy.set_mode("garbage:status")

@@ -248,3 +248,18 @@ def test_catalogues_import_without_vllm_and_docs_are_in_sync():
     for module in ("connector.observability.metric_catalog", "connector.config"):
         r = subprocess.run([sys.executable, "-m", module, "--check"], cwd=root)
         assert r.returncode == 0, f"README or chart schema out of sync: run python -m {module}"
+
+
+@pytest.mark.parametrize(("url", "port"), [("https://meta.example.com/metadata", 443),
+                                           ("http://meta.example.com/metadata", 80),
+                                           ("https://meta.example.com:8443/metadata", 8443)])
+def test_the_metadata_server_is_probed_on_its_schemes_port(monkeypatch, url, port):
+    """An https:// metadata server without a port is reached on 443: probing 80 refused to
+    start (fail) or never connected (degrade) where nothing listens on 80."""
+    import connector.store.client as client
+
+    probed = []
+    monkeypatch.setattr(client, "_probe_tcp", lambda host, p, timeout: probed.append((host, p)))
+    cfg = load_config({**BASE, "metadata_server": url}, {}).store
+    client.check_reachable(cfg, 1.0)
+    assert probed[-1] == ("meta.example.com", port)
