@@ -107,6 +107,29 @@ def _probe_tcp(host: str, port: int, timeout: float) -> str | None:
         return e.strerror or str(e)
 
 
+# Not a request header of the master's RPC protocol: a live master closes the connection.
+_NOT_A_REQUEST = b"\xff" * 64
+
+
+def _probe_answers(host: str, port: int, timeout: float) -> str | None:
+    """None if the master at host:port reacts: it closes a connection at once when its first
+    bytes are not a request (Mooncake 0.3.13, checked). A frozen or wedged master, whose kernel
+    still completes TCP connects, stays silent, and Mooncake's setup() against it retries its
+    RPC 20 times holding the GIL (minutes in which the whole engine process stands still):
+    found here in `timeout` instead."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_NOT_A_REQUEST)
+            sock.recv(64)  # b"" (closed) or an answer: a live process either way
+    except TimeoutError:
+        return f"accepts connections but does not answer within {timeout:g}s (frozen?)"
+    except ConnectionResetError:
+        return None  # closed with our bytes unread: it reacted
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def _probe_any(endpoints: list[str], timeout: float) -> tuple[str | None, str | None]:
     """(the first endpoint that accepts a connection, else None; the last error)."""
     err = None
@@ -171,7 +194,8 @@ def _is_host_port(address: str) -> bool:
 
 def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     """(the master that should serve this client: the configured one or the HA leader; why it
-    cannot, or None). Cheap: TCP connects and one etcd read, never a store call."""
+    cannot, or None). Cheap: TCP connects, one etcd read and the master's reaction to a
+    connection (`_probe_answers`), never a store call."""
     if cfg.ha:
         leader, problem = etcd_leader(cfg, timeout)
         if problem:
@@ -184,7 +208,7 @@ def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     else:
         leader, what = cfg.master_server_address, f"Mooncake master {cfg.master_server_address}"
     host, port = leader.rsplit(":", 1)
-    err = _probe_tcp(host, int(port), timeout)
+    err = _probe_answers(host, int(port), timeout)
     return leader, (f"{what} is unreachable ({err})" if err else None)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -111,10 +112,13 @@ def test_stale_rpc_failure_does_not_reopen_a_closed_breaker(master, monkeypatch)
 
 
 def test_close_never_frees_the_client_under_a_probe_call(master, monkeypatch):
-    """close() while the probe's store call hangs (its request dropped): the client is closed
-    only once that call has returned."""
+    """close() while the probe's store call hangs (its request dropped: a master that froze
+    after the probe found it answering, which the proxy stands for with the liveness check
+    left to a connect): the client is closed only once that call has returned."""
+    import connector.store.client as store_client
     from bench.proxy import DelayProxy
 
+    monkeypatch.setattr(store_client, "_probe_answers", store_client._probe_tcp)
     monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "2000")
     proxy = DelayProxy(master.address, rtt_ms=0.0).start()
     try:
@@ -278,3 +282,52 @@ def test_startup_with_etcd_answering_garbage_names_the_field(ha_etcd_proxy):
             StoreHandle(ha_config(cluster, proxy), 0, 16 * 2**20, "fail", 2.0)
     finally:
         proxy.set_mode("forward")
+
+
+FROZEN_START = """
+import json, sys, time
+from connector.config import load_config
+from connector.store.client import StoreHandle, StoreUnavailable
+cfg = load_config(json.loads(sys.argv[1]), environ={}).store
+t = time.monotonic()
+try:
+    StoreHandle(cfg, 0, 16 * 2**20, "fail", 1.0)
+    print("started")
+except StoreUnavailable as e:
+    print(f"{time.monotonic() - t:.1f}s {e}")
+h = StoreHandle(cfg, 0, 16 * 2**20, "degrade", 1.0, retry_s=0.2)
+print("degrade ready" if h.ready() is not None else "degrade waiting")
+time.sleep(1.0)  # its reconnect rounds must not hold the process either
+print(f"alive after {time.monotonic() - t:.1f}s")
+h.close()
+"""
+
+
+def test_a_frozen_master_at_startup_is_an_outage_found_at_once():
+    """A master that accepts connections but does not answer (SIGSTOP, a wedged process):
+    its kernel completes TCP connects, so a connect alone passed, and Mooncake's setup() then
+    retried its RPC 20 times holding the GIL, freezing the whole engine process for minutes
+    (again at each reconnect in degrade mode). Now startup names the field at once, and
+    degrade mode serves without the cache. Run in a subprocess: on the code before it hangs."""
+    import json
+    import subprocess
+    import sys
+
+    from devkit.local_cluster import local_pool
+    from devkit.processes import freeze, thaw
+
+    with local_pool("64MB") as (master, _node):
+        freeze(master.proc)
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", FROZEN_START, json.dumps(master.store_config())],
+                capture_output=True, text=True, timeout=60,
+                cwd=str(Path(__file__).resolve().parents[2])).stdout
+        finally:
+            thaw(master.proc)
+    lines = out.splitlines()
+    assert len(lines) == 3, out
+    assert "master_server_address: Mooncake master" in lines[0], out
+    assert "does not answer within 1s" in lines[0], out
+    assert lines[1] == "degrade waiting" and lines[2].startswith("alive after"), out
+    assert float(lines[0].split("s ", 1)[0]) < 10, out

@@ -260,6 +260,7 @@ def test_the_metadata_server_is_probed_on_its_schemes_port(monkeypatch, url, por
 
     probed = []
     monkeypatch.setattr(client, "_probe_tcp", lambda host, p, timeout: probed.append((host, p)))
+    monkeypatch.setattr(client, "_probe_answers", lambda host, p, timeout: None)  # the master
     cfg = load_config({**BASE, "metadata_server": url}, {}).store
     client.check_reachable(cfg, 1.0)
     assert probed[-1] == ("meta.example.com", port)
