@@ -170,8 +170,7 @@ class MooncakeStoreScheduler:
             logger.error("the TP ranks registered different KV layouts %s; blocks cannot be "
                          "keyed safely, so this engine never loads from or saves to the store",
                          sorted(distinct))
-            self.config = dataclasses.replace(self.config, enable_load=False, enable_save=False)
-            self._save = False  # decided at start, from the config as it was then
+            self._store_off()
             self._keys_ready = True
             return
         self._keys = self._keys.with_signature(distinct.pop())
@@ -555,6 +554,12 @@ class MooncakeStoreScheduler:
             return True, None
         return False, None
 
+    def _store_off(self) -> None:
+        """No more lookups, loads or saves for this engine (whether it saves was decided at
+        start, from the config as it was then)."""
+        self.config = dataclasses.replace(self.config, enable_load=False, enable_save=False)
+        self._save = False
+
     def forget_store(self, routers_cleared: bool) -> bool:
         """vLLM reset its connector cache (`reset_prefix_cache(reset_connector=True)`, which
         `pause_generation(clear_cache=True)` does around a weight update). The store's blocks
@@ -569,8 +574,7 @@ class MooncakeStoreScheduler:
                 "Mooncake store until it restarts (blocks there may be another weight "
                 "version's, and the store is shared, so nothing was removed from it); after a "
                 "weight update, restart with a cache_prefix of the new weights' own")
-        self.config = dataclasses.replace(self.config, enable_load=False, enable_save=False)
-        self._save = False
+        self._store_off()
         self._tracked.clear()  # no further saves; those in flight still hold their blocks
         self._arrived.clear()
         self._ahead.clear()
