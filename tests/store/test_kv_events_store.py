@@ -4,12 +4,13 @@ admin port and by scheduler lookups, after real removals and evictions."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -130,6 +131,43 @@ def removed_hashes(events) -> set:
     return {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
 
 
+@contextlib.contextmanager
+def engine_side(sweep_s: float = 0.0, **pool) -> Iterator[tuple]:
+    """(master, a plain client, a scheduler, its event log, its counts) on a store of its own;
+    the log and scheduler shut down after."""
+    with local_pool("16MB", **pool) as (master, _node):
+        client = client_on(master)
+        sched = scheduler_on(master)
+        log, counts = event_log(sched, master, sweep_s)
+        try:
+            yield master, client, sched, log, counts
+        finally:
+            log.shutdown()
+            sched.shutdown()
+
+
+def ask(sched: MooncakeStoreScheduler, req) -> tuple:
+    """vLLM's ask, again each step while the lookup runs (bounded)."""
+    deadline = time.monotonic() + 10
+    while (hit := sched.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline, "lookup never resolved"
+    return hit
+
+
+def new_step(req, ids: list[int], preempted: frozenset = frozenset()) -> SimpleNamespace:
+    """A scheduler output: `req` scheduled new on blocks `ids` (none if only preempting)."""
+    new = [SimpleNamespace(req_id=req.request_id, block_ids=(ids,), num_computed_tokens=0)]
+    return SimpleNamespace(
+        preempted_req_ids=set(preempted), scheduled_new_reqs=[] if preempted else new,
+        num_scheduled_tokens={} if preempted else {req.request_id: req.num_tokens},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[]))
+
+
+def blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
 def test_master_publishes_no_kv_events():
     """Mooncake 0.3.13's master takes --enable_kv_events but publishes nothing, on eviction
     or removal: if a later wheel does, this fails and the master's own events can replace the
@@ -208,80 +246,64 @@ def test_the_master_answers_a_query_of_sweep_keys_real_keys():
 
 
 def test_sweep_announces_removed_and_evicted_blocks_only():
-    with local_pool("16MB", extra_args=LEASE) as (master, _node):
-        client = client_on(master)
-        sched = scheduler_on(master)
-        try:
-            log, counts = event_log(sched, master)
-            req = request("sweep", 8)
-            keys = announce(log, client, sched, req)
-            time.sleep(0.4)
-            assert log.sweep() == 0 and log.take() == []  # all there: nothing to say
-            for k in keys[:2]:
-                assert client.remove(k) == 0
-            assert log.sweep() == 2
-            assert removed_hashes(log.take()) == {external_hash(h) for h in req.block_hashes[:2]}
-            # Eviction: write past the store's capacity until the master has evicted some
-            # announced block (the store's own answer, not a fixed number of puts).
-            survivors = dict(zip(keys[2:], req.block_hashes[2:], strict=True))
-            found: list[set] = []
-            results = fill(client, "kvev-filler",
-                           lambda: found.append(evicted(master, survivors)) or found[-1],
-                           "no announced block evicted")
-            before, written = found[-1], len(results)
-            gone = log.sweep()
-            events = log.take()
-            after = evicted(master, survivors)  # the store may evict more meanwhile
-            print(f"{written} filler puts (results {dict(Counter(results))}); master evicted "
-                  f"{master_counter(master, 'master_evicted_key_count'):.0f} keys; announced "
-                  f"blocks missing before the sweep {len(before)}, after {len(after)}; sweep "
-                  f"removed {gone} of 6; events {len(events)}")
-            assert all(isinstance(e, BlockRemoved) for e in events)
-            # Every block gone before the sweep is announced removed, and only blocks gone.
-            assert before <= removed_hashes(events) <= after
-            assert gone == len(events) == len(removed_hashes(events))
-            assert len(log.live()) == 6 - gone
-            assert counts[("kv_events_removals", "sweep")] == 2 + gone
-        finally:
-            sched.shutdown()
+    with engine_side(extra_args=LEASE) as (master, client, sched, log, counts):
+        req = request("sweep", 8)
+        keys = announce(log, client, sched, req)
+        time.sleep(0.4)
+        assert log.sweep() == 0 and log.take() == []  # all there: nothing to say
+        for k in keys[:2]:
+            assert client.remove(k) == 0
+        assert log.sweep() == 2
+        assert removed_hashes(log.take()) == {external_hash(h) for h in req.block_hashes[:2]}
+        # Eviction: write past the store's capacity until the master has evicted some
+        # announced block (the store's own answer, not a fixed number of puts).
+        survivors = dict(zip(keys[2:], req.block_hashes[2:], strict=True))
+        found: list[set] = []
+        results = fill(client, "kvev-filler",
+                       lambda: found.append(evicted(master, survivors)) or found[-1],
+                       "no announced block evicted")
+        before, written = found[-1], len(results)
+        gone = log.sweep()
+        events = log.take()
+        after = evicted(master, survivors)  # the store may evict more meanwhile
+        print(f"{written} filler puts (results {dict(Counter(results))}); master evicted "
+              f"{master_counter(master, 'master_evicted_key_count'):.0f} keys; announced "
+              f"blocks missing before the sweep {len(before)}, after {len(after)}; sweep "
+              f"removed {gone} of 6; events {len(events)}")
+        assert all(isinstance(e, BlockRemoved) for e in events)
+        # Every block gone before the sweep is announced removed, and only blocks gone.
+        assert before <= removed_hashes(events) <= after
+        assert gone == len(events) == len(removed_hashes(events))
+        assert len(log.live()) == 6 - gone
+        assert counts[("kv_events_removals", "sweep")] == 2 + gone
 
 
 def test_sweep_thread_and_lookup_find_removals():
-    with local_pool("16MB", extra_args=LEASE) as (master, _node):
-        client = client_on(master)
-        sched = scheduler_on(master)
-        log, counts = event_log(sched, master, sweep_s=0.2)
-        try:
-            # A lookup that misses an announced block announces it removed (no sweep yet).
-            req = request("lookup", 4)
-            keys = announce(log, client, sched, req)
-            time.sleep(0.4)
-            assert client.remove(keys[2]) == 0
-            deadline = time.monotonic() + 10
-            while (hit := sched.get_num_new_matched_tokens(req, 0))[0] is None:
-                assert time.monotonic() < deadline, "lookup never resolved"
-            assert hit == (2 * BS, True)
-            assert removed_hashes(log.take()) == {external_hash(req.block_hashes[2])}
-            assert counts[("kv_events_removals", "lookup")] == 1
-            # The sweep thread finds the next removal by itself.
-            log.start()
-            time.sleep(0.4)  # the lookup's read lease ends (-706 otherwise, seen)
-            assert client.remove(keys[0]) == 0
-            got: list = []
-            deadline = time.monotonic() + 10
-            while not got and time.monotonic() < deadline:
-                got = log.take()
-                time.sleep(0.05)
-            print(f"sweep thread events: {got}")
-            assert removed_hashes(got) == {external_hash(req.block_hashes[0])}
-            assert not any(isinstance(e, BlockStored) for e in got)
-            # Its rounds are counted with their length and the keys they asked the master.
-            assert counts[("kv_events_sweeps", "ok")] >= 1
-            assert counts[("kv_events_sweep_seconds",)] > 0
-            assert counts[("kv_events_sweep_keys",)] >= 3  # the three live blocks, once
-        finally:
-            log.shutdown()
-            sched.shutdown()
+    with engine_side(sweep_s=0.2, extra_args=LEASE) as (_master, client, sched, log, counts):
+        # A lookup that misses an announced block announces it removed (no sweep yet).
+        req = request("lookup", 4)
+        keys = announce(log, client, sched, req)
+        time.sleep(0.4)
+        assert client.remove(keys[2]) == 0
+        assert ask(sched, req) == (2 * BS, True)
+        assert removed_hashes(log.take()) == {external_hash(req.block_hashes[2])}
+        assert counts[("kv_events_removals", "lookup")] == 1
+        # The sweep thread finds the next removal by itself.
+        log.start()
+        time.sleep(0.4)  # the lookup's read lease ends (-706 otherwise, seen)
+        assert client.remove(keys[0]) == 0
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = log.take()
+            time.sleep(0.05)
+        print(f"sweep thread events: {got}")
+        assert removed_hashes(got) == {external_hash(req.block_hashes[0])}
+        assert not any(isinstance(e, BlockStored) for e in got)
+        # Its rounds are counted with their length and the keys they asked the master.
+        assert counts[("kv_events_sweeps", "ok")] >= 1
+        assert counts[("kv_events_sweep_seconds",)] > 0
+        assert counts[("kv_events_sweep_keys",)] >= 3  # the three live blocks, once
 
 
 def test_a_load_is_dated_from_its_lookups_answer_not_from_when_it_was_queued():
@@ -289,30 +311,19 @@ def test_a_load_is_dated_from_its_lookups_answer_not_from_when_it_was_queued():
     query, started at t0 > S, missed one (another engine stored it again meanwhile): that
     query's removal must not withdraw a block this engine saw stored after it, and loads.
     Dated from when the lookup was queued (S < t0), it was withdrawn."""
-    with local_pool("16MB") as (master, _node):
-        client = client_on(master)
-        sched = scheduler_on(master)
-        log, _ = event_log(sched, master)
-        try:
-            first = request("dated", 2)
-            announce(log, client, sched, first)
-            again = SimpleNamespace(**{**vars(first), "request_id": "again"})
-            gate, exist = threading.Event(), sched._exist
-            sched._exist = lambda keys: (gate.wait(10), exist(keys))[1]
-            assert sched.get_num_new_matched_tokens(again, 0) == (None, False)  # queued at S
-            t0 = time.perf_counter()  # the other query starts, and will miss a block
-            gate.set()
-            deadline = time.monotonic() + 10
-            while (hit := sched.get_num_new_matched_tokens(again, 0))[0] is None:
-                assert time.monotonic() < deadline, "lookup never resolved"
-            assert hit == (2 * BS, True)
-            sched.update_state_after_alloc(again, SimpleNamespace(get_block_ids=lambda: (
-                [1, 2, 3],)), 2 * BS)
-            assert log.missing([(0, first.block_hashes[0])], "sweep", t0) == 0
-            assert (0, first.block_hashes[0]) in log.live()
-        finally:
-            log.shutdown()
-            sched.shutdown()
+    with engine_side() as (_master, client, sched, log, _):
+        first = request("dated", 2)
+        announce(log, client, sched, first)
+        again = SimpleNamespace(**{**vars(first), "request_id": "again"})
+        gate, exist = threading.Event(), sched._exist
+        sched._exist = lambda keys: (gate.wait(10), exist(keys))[1]
+        assert sched.get_num_new_matched_tokens(again, 0) == (None, False)  # queued at S
+        t0 = time.perf_counter()  # the other query starts, and will miss a block
+        gate.set()
+        assert ask(sched, again) == (2 * BS, True)
+        sched.update_state_after_alloc(again, blocks([1, 2, 3]), 2 * BS)
+        assert log.missing([(0, first.block_hashes[0])], "sweep", t0) == 0
+        assert (0, first.block_hashes[0]) in log.live()
 
 
 def test_a_request_finished_while_loading_after_a_preemption_settles_its_saves():
@@ -320,38 +331,18 @@ def test_a_request_finished_while_loading_after_a_preemption_settles_its_saves()
     store, and aborted during that load: vLLM frees it when the load ends, with no
     finished_sending, so its planned saves settle when it finishes. Before, its plans (the
     prompt's tokens) were kept until `kv_events_queue` newer requests pushed them out."""
-    with local_pool("16MB") as (master, _node):
-        client = client_on(master)
-        sched = scheduler_on(master)
-        log, _ = event_log(sched, master)
-        try:
-            req = request("reload", 2)
-            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-            ids = [1, 2, 3]
-            sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 0)
-            step = SimpleNamespace(
-                preempted_req_ids=set(), num_scheduled_tokens={"reload": req.num_tokens},
-                scheduled_new_reqs=[SimpleNamespace(req_id="reload", block_ids=(ids,),
-                                                    num_computed_tokens=0)],
-                scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
-                                                      new_block_ids=[], num_computed_tokens=[]))
-            assert sched.build_connector_meta(step).saves
-            assert "reload" in log._plans
-            sched.build_connector_meta(SimpleNamespace(**{
-                **vars(step), "preempted_req_ids": {"reload"}, "scheduled_new_reqs": [],
-                "num_scheduled_tokens": {}}))
-            assert put(client, sched._keys.all_shard_keys(req.block_hashes, 0)) == [0, 0]
-            deadline = time.monotonic() + 10
-            while (hit := sched.get_num_new_matched_tokens(req, 0))[0] is None:
-                assert time.monotonic() < deadline, "lookup never resolved"
-            assert hit == (2 * BS, True)
-            sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],)),
-                                           2 * BS)
-            assert sched.request_finished(req, [4, 5, 6]) == (True, None)  # held: loading
-            assert "reload" not in log._plans
-        finally:
-            log.shutdown()
-            sched.shutdown()
+    with engine_side() as (_master, client, sched, log, _):
+        req = request("reload", 2)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+        assert sched.build_connector_meta(new_step(req, [1, 2, 3])).saves
+        assert "reload" in log._plans
+        sched.build_connector_meta(new_step(req, [], preempted=frozenset({"reload"})))
+        assert put(client, sched._keys.all_shard_keys(req.block_hashes, 0)) == [0, 0]
+        assert ask(sched, req) == (2 * BS, True)
+        sched.update_state_after_alloc(req, blocks([4, 5, 6]), 2 * BS)
+        assert sched.request_finished(req, [4, 5, 6]) == (True, None)  # held: loading
+        assert "reload" not in log._plans
 
 
 @pytest.mark.parametrize("routers_cleared", [False, True])
@@ -361,54 +352,34 @@ def test_a_connector_cache_reset_stops_the_store_and_withdraws_every_block(route
     and withdraws every block it announced: each announced removed, or, where vLLM's
     AllBlocksCleared for the reset is queued, dropped silently (a removal after it would name
     a block routers no longer hold). None is announced again after an AllBlocksCleared."""
-    with local_pool("16MB") as (master, _node):
-        client = client_on(master)
-        sched = scheduler_on(master)
-        log, counts = event_log(sched, master)
-        try:
-            req = request(f"reset-{routers_cleared}", 3)
-            keys = announce(log, client, sched, req)
-            assert sched.forget_store(routers_cleared) is True
-            want = set() if routers_cleared else {external_hash(h) for h in req.block_hashes}
-            assert removed_hashes(log.take()) == want
-            assert counts[("kv_events_removals", "reset")] == len(want) and not log.live()
-            log.cleared()  # vLLM's own prefix cache reset: nothing to announce again
-            assert log.take() == []
-            # No lookup of a prompt the store holds, and no save of one computed.
-            calls = []
-            sched._exist = lambda keys: calls.append(keys) or [1] * len(keys)
-            again = SimpleNamespace(**{**vars(req), "request_id": "again"})
-            assert sched.get_num_new_matched_tokens(again, 0) == (0, False) and not calls
-            sched.update_state_after_alloc(again, SimpleNamespace(get_block_ids=lambda: (
-                [1, 2, 3, 4],)), 0)
-            assert not sched.build_connector_meta(SimpleNamespace(
-                preempted_req_ids=set(), num_scheduled_tokens={"again": again.num_tokens},
-                scheduled_new_reqs=[SimpleNamespace(req_id="again", block_ids=([1, 2, 3, 4],),
-                                                    num_computed_tokens=0)],
-                scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
-                                                      new_block_ids=[],
-                                                      num_computed_tokens=[]))).saves
-            assert client.batch_is_exist(keys) == [1, 1, 1]  # the shared store kept them
-        finally:
-            log.shutdown()
-            sched.shutdown()
+    with engine_side() as (_master, client, sched, log, counts):
+        req = request(f"reset-{routers_cleared}", 3)
+        keys = announce(log, client, sched, req)
+        assert sched.forget_store(routers_cleared) is True
+        want = set() if routers_cleared else {external_hash(h) for h in req.block_hashes}
+        assert removed_hashes(log.take()) == want
+        assert counts[("kv_events_removals", "reset")] == len(want) and not log.live()
+        log.cleared()  # vLLM's own prefix cache reset: nothing to announce again
+        assert log.take() == []
+        # No lookup of a prompt the store holds, and no save of one computed.
+        calls = []
+        sched._exist = lambda keys: calls.append(keys) or [1] * len(keys)
+        again = SimpleNamespace(**{**vars(req), "request_id": "again"})
+        assert sched.get_num_new_matched_tokens(again, 0) == (0, False) and not calls
+        sched.update_state_after_alloc(again, blocks([1, 2, 3, 4]), 0)
+        assert not sched.build_connector_meta(new_step(again, [1, 2, 3, 4])).saves
+        assert client.batch_is_exist(keys) == [1, 1, 1]  # the shared store kept them
 
 
 def test_a_failed_sweep_removes_nothing():
     """A master admin port that does not answer: the round raises and removes nothing."""
-    with local_pool("16MB", extra_args=LEASE) as (master, _node):
-        client = client_on(master)
-        sched = scheduler_on(master)
-        try:
-            log, _ = event_log(sched, master)
-            announce(log, client, sched, request("down", 3))
-            log.settings = EventSettings("STORAGE", "REMOTE", 1, f"{HOST}:{free_port()}",
-                                         1000, 1000)
-            with pytest.raises(OSError):
-                log.sweep()
-            assert len(log.live()) == 3 and log.take() == []
-        finally:
-            sched.shutdown()
+    with engine_side(extra_args=LEASE) as (_master, client, sched, log, _):
+        announce(log, client, sched, request("down", 3))
+        log.settings = EventSettings("STORAGE", "REMOTE", 1, f"{HOST}:{free_port()}",
+                                     1000, 1000)
+        with pytest.raises(OSError):
+            log.sweep()
+        assert len(log.live()) == 3 and log.take() == []
 
 
 def test_tp2_ranks_announce_each_block_once_both_shards_landed():
