@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections import OrderedDict, deque
@@ -195,32 +196,91 @@ class _Run:
         return self.hashes[i - 1] if i else self.parent
 
     def index(self) -> dict[bytes, int]:
-        """Each block's position in the run, by hash (made on first use: by a save's
-        planning, whose blocks come back as hashes, and a repeat after a cache reset)."""
+        """Each block's position in the run, by hash (made on first use: by a save whose
+        blocks came back out of the run's order, and a repeat after a cache reset)."""
         if self._positions is None:
             self._positions = dict(zip(self.hashes, range(len(self.hashes)), strict=True))
         return self._positions
 
 
+# Blocks `start` to `end` (positions) of a run. Blocks move between the steps as pieces, not
+# one by one: a long prompt is a piece or a few, and what is done per block (its key, its
+# entry in the planned saves and the live set) is done by C loops over a piece's hashes.
+Piece = tuple[_Run, int, int]
+
+
+# A block's key in the planned saves and the live set: group 0's (a model with one KV cache
+# group: nearly every model) is its hash itself, another group's `(group, hash)`. Group 0 makes
+# no object per block: at 8,192 blocks the tuples, and the collections their allocations set
+# off, cost a load's events a third of their time.
+Key = bytes | tuple[int, bytes]
+
+
+def _keys(group: int, hashes: Iterable[bytes]) -> list[Key]:
+    """The keys of blocks `hashes` of group `group`."""
+    return list(hashes) if group == 0 else list(zip(itertools.repeat(group), hashes))
+
+
+def _key(group: int, h: bytes) -> Key:
+    return h if group == 0 else (group, h)
+
+
+def _block(key: Key) -> tuple[int, bytes]:
+    """A key's block: (group, hash)."""
+    return (0, key) if isinstance(key, bytes) else key
+
+
 def _runs_of(request: Any, indices: Sequence[int], group: int, block_size: int
-             ) -> tuple[list[_Run], list[int]]:
-    """Blocks `indices` (ascending) of `request`: each one's run and position there, a run
-    per stretch of consecutive indices, so that a run holds no block it was not made for."""
+             ) -> list[Piece]:
+    """Blocks `indices` (ascending) of `request`: a run per stretch of consecutive indices,
+    so that a run holds no block it was not made for, each whole as a piece."""
     hashes, tokens = request.block_hashes, request.all_token_ids
     lora = getattr(request, "lora_request", None)
     name, rid = (lora.name if lora else None), request.request_id
     plain = not _has_extra_keys(request)  # then only a cache salt, on block 0, has any
-    runs: list[_Run] = []
-    positions: list[int] = []
+    pieces: list[Piece] = []
     for lo, hi in _stretches(indices):
         extra: list[Any] = [None] * (hi - lo) if plain else [
             _extra_keys(request, i * block_size, (i + 1) * block_size) for i in range(lo, hi)]
         if plain and lo == 0:
             extra[0] = _extra_keys(request, 0, block_size)
-        runs += [_Run(group, rid, hashes[lo:hi], hashes[lo - 1] if lo else None,
-                      tokens[lo * block_size:hi * block_size], extra, name)] * (hi - lo)
-        positions += range(hi - lo)
-    return runs, positions
+        pieces.append((_Run(group, rid, hashes[lo:hi], hashes[lo - 1] if lo else None,
+                            tokens[lo * block_size:hi * block_size], extra, name), 0, hi - lo))
+    return pieces
+
+
+def _pieces_of(runs: Sequence[_Run], positions: Sequence[int]) -> list[Piece]:
+    """Blocks given one by one (each its run and its position there) as pieces: one per
+    stretch of consecutive positions of one run."""
+    out: list[Piece] = []
+    for run, i in zip(runs, positions, strict=True):
+        if out and out[-1][0] is run and out[-1][2] == i:
+            out[-1] = (run, out[-1][1], i + 1)
+        else:
+            out.append((run, i, i + 1))
+    return out
+
+
+def _job_pieces(hashes: Sequence[bytes], runs: Sequence[_Run | None]) -> list[Piece]:
+    """A save job's blocks that landed (`runs`: each one's planned run, None for one not
+    planned) as pieces. A job saves a stretch of a plan, so a stretch of blocks of one run is
+    usually that run's blocks in order: one slice compare then, not a lookup per block."""
+    n = len(runs)
+    if not n:
+        return []
+    cuts = [0, *itertools.compress(range(1, n), map(operator.is_not, runs[1:], runs)), n]
+    out: list[Piece] = []
+    for a, b in itertools.pairwise(cuts):
+        run = runs[a]
+        if run is None:
+            continue
+        p = 0 if run.hashes[0] == hashes[a] else run.index()[hashes[a]]
+        if run.hashes[p:p + b - a] == list(hashes[a:b]):
+            out.append((run, p, p + b - a))
+        else:
+            index = run.index()
+            out += _pieces_of([run] * (b - a), [index[h] for h in hashes[a:b]])
+    return out
 
 
 def _stretches(indices: Sequence[int]) -> list[tuple[int, int]]:
@@ -263,23 +323,23 @@ class StoreEventLog:
         self._lock = threading.Lock()
         # planned saves -> the block's run; and of those some TP ranks reported landed but not
         # all, a bit per rank that did
-        self._planned: OrderedDict[tuple[int, bytes], _Run] = OrderedDict()
-        self._ranks: dict[tuple[int, bytes], int] = {}
+        self._planned: OrderedDict[Key, _Run] = OrderedDict()
+        self._ranks: dict[Key, int] = {}
         self._plans: dict[str, list[_Run]] = {}  # each request's planned runs, until settled
         self._everyone = (1 << tp_size) - 1  # the ranks bits of a block every rank reported
         # announced blocks -> (when the store was last seen holding it, the run it was
         # announced from: one tuple per run announced together, shared by its blocks)
-        self._live: OrderedDict[tuple[int, bytes], tuple[float, _Run]] = OrderedDict()
+        self._live: OrderedDict[Key, tuple[float, _Run]] = OrderedDict()
         self._queue: deque[tuple[str, KVCacheEvent]] = deque()
         self._queued_blocks = 0  # blocks the queued events carry (bounded by settings.queue)
-        self._repeat: deque[tuple[int, bytes]] = deque()  # live blocks to announce again
+        self._repeat: deque[Key] = deque()  # live blocks to announce again
         self._uncounted = False  # events taken whose count no stats collection has shipped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sweep_failing = False
         self._sweep_keys = SWEEP_KEYS
         self._withdrawn = False  # this engine stopped using the store (`withdraw_all`)
-        self._held: set[tuple[int, bytes]] = set()  # live blocks whose removal waits for room
+        self._held: set[Key] = set()  # live blocks whose removal waits for room
 
     def _announced(self, group: int) -> bool:
         kind = self._spec[group][0] if group < len(self._spec) else None
@@ -292,19 +352,17 @@ class StoreEventLog:
         lost theirs)."""
         if not self._announced(group) or not indices:
             return
-        hashes = request.block_hashes
-        keys = [(group, hashes[i]) for i in indices]
-        runs, _ = _runs_of(request, indices, group, self._block_size)
-        distinct = list(dict.fromkeys(runs))
-        for run in distinct:
-            run.index()  # made here, outside the lock, for `landed`
+        runs = [run for run, _, _ in _runs_of(request, indices, group, self._block_size)]
         with self._lock:
             planned, ranks = self._planned, self._ranks
-            for key in [key for key in keys if key in planned]:
-                del planned[key]  # planned again: a fresh attempt, last in line
-                ranks.pop(key, None)
-            planned.update(zip(keys, runs, strict=True))
-            self._plans.setdefault(request.request_id, []).extend(distinct)
+            for run in runs:
+                keys = _keys(group, run.hashes)
+                for key in list(filter(planned.__contains__, keys)):
+                    del planned[key]  # planned again: a fresh attempt, last in line
+                    ranks.pop(key, None)
+                for key in keys:  # faster than OrderedDict.update
+                    planned[key] = run
+            self._plans.setdefault(request.request_id, []).extend(runs)
             while len(self._plans) > self.settings.queue:  # requests that never settled
                 self._plans.pop(next(iter(self._plans)))
             while len(planned) > self.settings.queue:
@@ -318,11 +376,11 @@ class StoreEventLog:
         with self._lock:
             planned = self._planned
             for run in self._plans.pop(req_id, ()):
-                for h in run.hashes:
-                    key = (run.group, h)
-                    if planned.get(key) is run:
-                        del planned[key]
-                        self._ranks.pop(key, None)
+                keys = _keys(run.group, run.hashes)
+                mine = map(operator.is_, map(planned.get, keys), itertools.repeat(run))
+                for key in list(itertools.compress(keys, mine)):
+                    del planned[key]
+                    self._ranks.pop(key, None)
                 self._cut(run)  # some of it landed at most: what did is all it keeps
 
     def landed(self, records: Iterable[tuple[int, int, Sequence[bytes]]]) -> None:
@@ -336,28 +394,36 @@ class StoreEventLog:
             job = (group, tuple(hashes))
             jobs[job] = jobs.get(job, 0) | 1 << rank
         planned, partial, everyone = self._planned, self._ranks, self._everyone
-        keys: list[tuple[int, bytes]] = []
-        runs: list[_Run] = []
-        positions: list[int] = []
-        last: _Run | None = None
-        index: dict[bytes, int] = {}  # the position of each block of `last`
+        pieces: list[Piece] = []
+        landed: list[Key] = []  # their blocks' keys, in order
         with self._lock:
             for (group, hashes), ranks in jobs.items():
-                for h in hashes:
-                    key = (group, h)
+                keys = _keys(group, hashes)
+                # A block not planned was announced already (a repeat), settled, or dropped.
+                if ranks == everyone:  # every rank's report came in this step: all landed
+                    got = list(map(planned.pop, keys, itertools.repeat(None)))
+                    if partial:
+                        for key in keys:
+                            partial.pop(key, None)
+                    pieces += _job_pieces(hashes, got)
+                    landed += itertools.compress(keys, map(operator.is_not, got,
+                                                           itertools.repeat(None)))
+                    continue
+                runs: list[_Run] = []
+                positions: list[int] = []
+                for key, h in zip(keys, hashes, strict=True):
                     run = planned.pop(key, None)
                     if run is None:
-                        continue  # announced already (a repeat), settled, or dropped above
-                    got = ranks | partial.pop(key, 0) if partial else ranks
-                    if got != everyone:  # some ranks still to report: back in line, last
-                        planned[key], partial[key] = run, got
                         continue
-                    if run is not last:
-                        last, index = run, run.index()
-                    keys.append(key)
+                    bits = ranks | partial.pop(key, 0)
+                    if bits != everyone:  # some ranks still to report: back in line, last
+                        planned[key], partial[key] = run, bits
+                        continue
                     runs.append(run)
-                    positions.append(index[h])
-            self._announce(keys, runs, positions, now)
+                    positions.append(run.index()[h])
+                    landed.append(key)
+                pieces += _pieces_of(runs, positions)
+            self._announce(pieces, landed, now)
 
     def loaded(self, request: Any, indices: Sequence[int], group: int, seen: float) -> None:
         """This engine loads blocks `indices` (ascending) of `request`, which a lookup started
@@ -365,59 +431,60 @@ class StoreEventLog:
         for those not live, and a later sighting of those that are)."""
         if not self._announced(group):
             return
-        keys = [(group, request.block_hashes[i]) for i in indices]
+        keys = _keys(group, map(request.block_hashes.__getitem__, indices))
         with self._lock:
-            fresh = [key not in self._live for key in keys]
-            new = list(itertools.compress(indices, fresh))
-            if len(new) < len(keys):
-                self._confirm([k for k, f in zip(keys, fresh, strict=True) if not f], seen)
-                keys = list(itertools.compress(keys, fresh))
-        runs, positions = _runs_of(request, new, group, self._block_size)  # outside the lock:
-        with self._lock:                                                   # the sweep takes it
-            self._announce(keys, runs, positions, seen)
+            held = list(map(self._live.__contains__, keys))
+            if any(held):
+                self._confirm(list(itertools.compress(keys, held)), seen)
+                indices = list(itertools.compress(indices, map(operator.not_, held)))
+                keys = list(itertools.compress(keys, map(operator.not_, held)))
+        pieces = _runs_of(request, indices, group, self._block_size)  # outside the lock:
+        with self._lock:                                               # the sweep takes it
+            self._announce(pieces, keys, seen)
 
-    def _announce(self, keys: list[tuple[int, bytes]], runs: list[_Run],
-                  positions: list[int], seen: float) -> None:
-        """(Under the lock.) The store holds blocks `keys` (each at its position of its run):
-        live from `seen` on. Those not live yet are announced, as many as the queue has room
-        for (the rest dropped, counted, and not live); each run of them, every block the child
-        of the one before, in one `BlockStored`, as vLLM's own events carry a request's
-        blocks. Parallel lists, not a tuple per block: fewer objects for the collector."""
-        live, again = self._live, []
-        new_keys: list[tuple[int, bytes]] = []
-        new_runs: list[_Run] = []
-        new_positions: list[int] = []
-        run: _Run | None = None
-        entry: tuple[float, _Run] | None = None  # one per run, shared by its blocks
-        for key, r, i in zip(keys, runs, positions, strict=True):
-            if key in live:  # stored again (or skipped): still live, confirmed now
-                again.append(key)
-                continue
-            if r is not run:
-                run = r
-                entry = (seen, r)
-            live[key] = entry
-            new_keys.append(key)
-            new_runs.append(r)
-            new_positions.append(i)
-        room = max(0, self.settings.queue - self._queued_blocks)
-        short = dict.fromkeys(new_runs[room:])  # runs whose blocks did not all fit
-        if short:
-            self._count("kv_events_dropped", "stored", n=len(new_keys) - room)
-            for key in new_keys[room:]:
-                del live[key]
-            del new_keys[room:], new_runs[room:], new_positions[room:]
+    def _announce(self, pieces: Sequence[Piece], keys: Sequence[Key],
+                  seen: float) -> None:
+        """(Under the lock.) The store holds blocks `pieces` (`keys`: theirs, in order, made
+        once per block by the caller): live from `seen` on. Those not
+        live yet are announced, as many as the queue has room for (the rest dropped, counted,
+        and not live); each run of them, every block the child of the one before, in one
+        `BlockStored`, as vLLM's own events carry a request's blocks. A live block is stored
+        again (or was skipped): still live, confirmed now."""
+        live, room = self._live, max(0, self.settings.queue - self._queued_blocks)
+        again: list[Key] = []
+        kept: list[Piece] = []
+        short: dict[_Run, None] = {}  # runs whose blocks did not all fit
+        dropped = at = 0
+        for run, a, b in pieces:
+            mine, at = keys[at:at + b - a], at + b - a
+            held = list(map(live.__contains__, mine))
+            spans = [(0, b - a)]
+            if any(held):
+                again += itertools.compress(mine, held)
+                spans = _stretches(list(itertools.compress(range(b - a),
+                                                           map(operator.not_, held))))
+            entry = (seen, run)  # one per piece, shared by its blocks
+            for lo, hi in spans:
+                n = min(hi - lo, room)
+                if n < hi - lo:
+                    dropped += hi - lo - n
+                    short[run] = None
+                if n:
+                    room -= n
+                    run.live += n
+                    for key in mine[lo:lo + n]:  # faster than OrderedDict.update
+                        live[key] = entry
+                    kept.append((run, a + lo, a + lo + n))
+        if dropped:
+            self._count("kv_events_dropped", "stored", n=dropped)
         self._confirm(again, seen)
-        for pieces in _event_runs(new_keys, new_runs, new_positions):
-            for r, start, end in pieces:
-                r.live += end - start
-            self._push("stored", self._stored_event(pieces),
-                       sum(end - start for _, start, end in pieces))
+        for event in _event_runs(kept):
+            self._push("stored", self._stored_event(event), sum(e - s for _, s, e in event))
         for r in short:
             self._cut(r)
         self._trim()
 
-    def _confirm(self, keys: Iterable[tuple[int, bytes]], seen: float) -> None:
+    def _confirm(self, keys: Iterable[Key], seen: float) -> None:
         """(Under the lock.) Live blocks the store was seen holding at `seen`: live from then
         on at least, and last in line for the live bound."""
         live = self._live
@@ -429,7 +496,7 @@ class StoreEventLog:
                 live[key] = (seen, was[1])
             live.move_to_end(key)
 
-    def _unlive(self, key: tuple[int, bytes]) -> None:
+    def _unlive(self, key: Key) -> None:
         """(Under the lock.) Block `key` leaves the live set."""
         _, run = self._live.pop(key)
         run.live -= 1
@@ -444,14 +511,14 @@ class StoreEventLog:
         that never landed are then known)."""
         if run.live * 4 >= len(run.hashes):
             return
-        live, g, bs = self._live, run.group, self._block_size
-        kept = [i for i, h in enumerate(run.hashes)
-                if (was := live.get((g, h))) is not None and was[1] is run]
+        live, keys = self._live, _keys(run.group, run.hashes)
+        kept = [i for i, key in enumerate(keys)
+                if (was := live.get(key)) is not None and was[1] is run]
         for lo, hi in _stretches(kept):
-            part = run.part(lo, hi, bs)
+            part = run.part(lo, hi, self._block_size)
             part.live = hi - lo
-            for h in part.hashes:
-                live[(g, h)] = (live[(g, h)][0], part)
+            for key in keys[lo:hi]:
+                live[key] = (live[key][0], part)
         run.live = 0  # no live block refers to it now (a save of it may land later)
 
     def _trim(self) -> None:
@@ -462,7 +529,7 @@ class StoreEventLog:
         limit, source = (0, "reset") if self._withdrawn else (self.settings.max_live,
                                                               "live_limit")
         while len(self._live) > limit:
-            group, h = key = next(iter(self._live))
+            key = next(iter(self._live))
             if not self._push_removed(key):
                 break
             self._unlive(key)
@@ -498,7 +565,9 @@ class StoreEventLog:
         first, start, _ = pieces[0]
         group, bs = first.group, self._block_size
         kind, window = self._spec[group] if group < len(self._spec) else (None, None)
-        if len(pieces) == 1:
+        if len(pieces) == 1 and pieces[0][1:] == (0, len(first.hashes)):  # a whole run, as
+            hashes, tokens, extra = first.hashes, first.tokens, first.extra_keys  # it is
+        elif len(pieces) == 1:
             run, a, b = pieces[0]
             hashes, tokens, extra = run.hashes[a:b], run.tokens[a * bs:b * bs], \
                 run.extra_keys[a:b]
@@ -538,7 +607,7 @@ class StoreEventLog:
         cannot take stays live, for the next query to find again."""
         n = 0
         with self._lock:
-            for key in blocks:
+            for key in itertools.starmap(_key, blocks):
                 seen = self._live.get(key)
                 if seen is None or seen[0] >= before:
                     continue
@@ -552,15 +621,16 @@ class StoreEventLog:
         return n
 
     def live(self) -> list[tuple[int, bytes]]:
+        """The live blocks, (group, hash) each, oldest first."""
         with self._lock:
-            return list(self._live)
+            return list(map(_block, self._live))
 
     # -- queue
-    def _push_removed(self, key: tuple[int, bytes]) -> bool:
+    def _push_removed(self, key: Key) -> bool:
         """(Under the lock.) Queue block `key`'s `BlockRemoved`; False when the full queue
         cannot take it: the block stays live for a later query or `take` to try again, and is
         counted (kind removed) the first time only, not at every try."""
-        if self._push("removed", self._removed_event(*key)):
+        if self._push("removed", self._removed_event(*_block(key))):
             return True
         if key not in self._held:
             self._held.add(key)
@@ -596,7 +666,7 @@ class StoreEventLog:
         with self._lock:
             queued, self._queue = list(self._queue), deque()
             room, self._queued_blocks = self.settings.queue - self._queued_blocks, 0
-            keys: list[tuple[int, bytes]] = []
+            keys: list[Key] = []
             runs: list[_Run] = []
             while self._repeat and len(keys) < room:
                 key = self._repeat.popleft()
@@ -604,9 +674,10 @@ class StoreEventLog:
                 if live is not None:
                     keys.append(key)
                     runs.append(live[1])
-            positions = [run.index()[h] for run, (_, h) in zip(runs, keys, strict=True)]
+            positions = [run.index()[_block(key)[1]]
+                         for run, key in zip(runs, keys, strict=True)]
             queued += [("stored", self._stored_event(p))
-                       for p in _event_runs(keys, runs, positions)]
+                       for p in _event_runs(_pieces_of(runs, positions))]
             self._trim()  # what a full queue held back, for the next take
         if not queued:
             return []
@@ -694,30 +765,22 @@ class StoreEventLog:
             self._thread.join(timeout)
 
 
-def _event_runs(keys: Sequence[tuple[int, bytes]], runs: Sequence[_Run],
-                positions: Sequence[int]) -> list[list[tuple[_Run, int, int]]]:
-    """Blocks (each a key, its run and its position there) cut where the next block is not
-    the child of the one before (another group, parent, or LoRA adapter): one list per
-    `BlockStored`, of `(run, start, end)` pieces, each a stretch of consecutive positions of
-    one run."""
-    events: list[list[tuple[_Run, int, int]]] = []
-    prev_key: tuple[int, bytes] = (-1, b"")
-    prev_run: _Run | None = None
-    start = prev = 0
-    for key, run, i in zip(keys, runs, positions, strict=True):
-        if prev_run is not None:
-            if run is prev_run and i == prev + 1:
-                prev, prev_key = i, key
-                continue  # the same stretch: a request's next block is its child
-            events[-1].append((prev_run, start, prev + 1))
-            if (key[0] != prev_key[0] or run.lora_name != prev_run.lora_name
-                    or run.parent_of(i) != prev_key[1]):
-                events.append([])
-        else:
-            events.append([])
-        prev_run, prev_key, start, prev = run, key, i, i
-    if prev_run is not None:
-        events[-1].append((prev_run, start, prev + 1))
+def _event_runs(pieces: Sequence[Piece]) -> list[list[Piece]]:
+    """Pieces (in order) cut where the next block is not the child of the one before (another
+    group, parent, or LoRA adapter): one list per `BlockStored`, a piece of one list joined
+    to the one before where it goes on where that one ended."""
+    events: list[list[Piece]] = []
+    for run, a, b in pieces:
+        if events:
+            last, la, lb = events[-1][-1]
+            if run is last and a == lb:  # the same stretch: a request's next block
+                events[-1][-1] = (run, la, b)
+                continue
+            if (run.group == last.group and run.lora_name == last.lora_name
+                    and run.parent_of(a) == last.hashes[lb - 1]):
+                events[-1].append((run, a, b))
+                continue
+        events.append([(run, a, b)])
     return events
 
 

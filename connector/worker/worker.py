@@ -130,8 +130,8 @@ def _landed(hashes: Sequence[bytes], exists: Sequence[int], new: Sequence[int],
     """The blocks whose `per` keys (block-major) were all found stored or written; every
     block when this rank writes no shard. Not one whose put met -705 (another writer's put of
     the key still in progress): it is not readable yet, and that writer announces it."""
-    if not per:
-        return tuple(hashes)
+    if not per or results.count(0) == len(new) == len(exists) - exists.count(1):
+        return tuple(hashes)  # every key was found or written: no walk over them
     ok = list(map((1).__eq__, exists))
     for i, r in zip(new, results, strict=False):  # results is short when the put never ran
         ok[i] = r == 0

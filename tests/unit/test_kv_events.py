@@ -122,6 +122,24 @@ def test_a_run_ends_at_a_gap_or_another_request():
     assert ev_log.take() == []
 
 
+def test_a_jobs_blocks_out_of_their_runs_order_each_keep_their_own_parent():
+    """A save job's blocks of one planned run are usually that run's blocks in order (one
+    piece); ones that skip or go back are cut where a block is not the child of the one
+    before, each piece with its own parent and tokens."""
+    ev_log, _ = log()
+    req = request(6)
+    h = req.block_hashes
+    ev_log.planned(req, range(6), 0)
+    ev_log.landed([(0, 0, (h[0], h[1], h[4], h[5], h[2]))])
+    events = roundtrip(ev_log.take())
+    assert [(e.block_hashes, e.parent_block_hash) for e in events] == [
+        ([external_hash(x) for x in h[:2]], None),
+        ([external_hash(x) for x in h[4:6]], external_hash(h[3])),
+        ([external_hash(h[2])], external_hash(h[1]))]
+    assert events[1].token_ids == req.all_token_ids[4 * BS:6 * BS]
+    assert ev_log.live() == [(0, x) for x in (h[0], h[1], h[4], h[5], h[2])]
+
+
 @pytest.mark.parametrize("as_int", ["0", "1"])
 def test_hashes_and_extra_keys_are_vllms_own(monkeypatch, as_int):
     """external_hash reads VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES once, and a request without
@@ -393,6 +411,8 @@ def test_worker_landed_needs_every_shard_of_the_rank():
         b"a", b"c")
     assert _landed(hashes, exists, [2, 3, 4, 5], [], 2) == (b"a",)  # the put never ran
     assert _landed(hashes, [], [], [], 0) == tuple(hashes)  # this rank writes no shard
+    assert _landed(hashes, exists, [2, 3, 4, 5, 6, 7], [0] * 6, 2) == tuple(hashes)
+    assert _landed(hashes, [1] * 8, [], [], 2) == tuple(hashes)  # all found stored
 
 
 # ---- configuration ---------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def check(ev_log: StoreEventLog, events: list, blocks: dict, live: set) -> None:
     assert {(g, external_hash(h)) for g, h in ev_log.live()} | queued == live, \
         "live set off the events"
     refs: dict[int, int] = {}
-    for (_, h), (_, run) in ev_log._live.items():
+    for (_, h), (_, run) in zip(ev_log.live(), ev_log._live.values(), strict=True):
         assert run.hashes[run.index()[h]] == h
         refs[id(run)] = refs.get(id(run), 0) + 1
     for _, run in ev_log._live.values():
