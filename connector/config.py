@@ -525,6 +525,13 @@ class ConnectorConfig:
             return math.lcm(*self.prefill_tp_sizes)
         return self.store_tp_size
 
+    @property
+    def store_tp_field(self) -> str:
+        """The setting `store_tp` comes from, as an error about its value names it."""
+        if self.enable_store_tp_lcm:
+            return f"prefill_tp_sizes (least common multiple of {list(self.prefill_tp_sizes)})"
+        return "store_tp_size"
+
 
 def _load_config_file(path: str) -> dict[str, Any]:
     try:

@@ -99,7 +99,8 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             tenant = self.config.store.tenant_id
             layout = layout_from_vllm(vllm_config, self.config.model_id, self.config.store_tp,
                                       latent=self.groups[0].latent,
-                                      tenant="" if tenant == DEFAULT_TENANT else tenant)
+                                      tenant="" if tenant == DEFAULT_TENANT else tenant,
+                                      store_tp_field=self.config.store_tp_field)
             check_disk_tier(layout, self.config.enable_offload)
         except (ConfigError, GroupError, ValueError) as e:
             # One line that names the field and the fix, above vLLM's startup trace.

@@ -605,9 +605,13 @@ class StoreEventLog:
         """Blocks a store query found gone: each one announced before `before` (the query's
         start, perf_counter) is announced removed. Returns how many. A removal the full queue
         cannot take stays live, for the next query to find again."""
+        return self._missing(itertools.starmap(_key, blocks), source, before)
+
+    def _missing(self, keys: Iterable[Key], source: str, before: float) -> int:
+        """`missing`, of blocks given by their keys."""
         n = 0
         with self._lock:
-            for key in itertools.starmap(_key, blocks):
+            for key in keys:
                 seen = self._live.get(key)
                 if seen is None or seen[0] >= before:
                     continue
@@ -723,7 +727,9 @@ class StoreEventLog:
         A batch whose query fails raises (nothing is removed on a guess)."""
         own = client is None
         client = client or MasterKeys(self.settings.master_http)
-        blocks, removed, i = self.live(), 0, 0
+        with self._lock:
+            blocks = list(self._live)
+        removed = i = 0
         try:
             while i < len(blocks) and not self._stop.is_set():
                 batch = blocks[i:i + max(1, self._sweep_keys // self._shards)]
@@ -742,19 +748,21 @@ class StoreEventLog:
                 self._count("kv_events_sweep_keys", n=len(flat))
                 gone = [b for b, ks in zip(batch, keys, strict=True)
                         if not all(present.get(k, False) for k in ks)]
-                removed += self.missing(gone, "sweep", t0)
+                removed += self._missing(gone, "sweep", t0)
                 i += len(batch)
         finally:
             if own:
                 client.close()
         return removed
 
-    def _batch_keys(self, batch: Sequence[tuple[int, bytes]]) -> list[list[str]]:
+    def _batch_keys(self, batch: Sequence[Key]) -> list[list[str]]:
         """Each block's store keys (every shard's), one key-builder call per group."""
         n, out = self._shards, [[] for _ in batch]
-        for g in dict.fromkeys(g for g, _ in batch):
-            at = [j for j, (bg, _) in enumerate(batch) if bg == g]
-            flat = self._keys([batch[j][1] for j in at], g)
+        groups: dict[int, list[int]] = {}
+        for j, key in enumerate(batch):  # no tuple made per block of group 0 (`Key`)
+            groups.setdefault(0 if isinstance(key, bytes) else key[0], []).append(j)
+        for g, at in groups.items():
+            flat = self._keys([batch[j][1] if g else batch[j] for j in at], g)
             for k, j in enumerate(at):
                 out[j] = flat[k * n:(k + 1) * n]
         return out

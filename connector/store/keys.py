@@ -138,9 +138,10 @@ class KeyBuilder:
 
 def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
                      store_tp_size: int | None = None, latent: bool = False,
-                     tenant: str = "") -> Layout:
+                     tenant: str = "", store_tp_field: str = "store_tp_size") -> Layout:
     """The layout both the scheduler and the workers derive from vLLM's config (they must
-    agree); `tenant`: the store client's, "" for the default tenant (keys as before tenants)."""
+    agree); `tenant`: the store client's, "" for the default tenant (keys as before tenants);
+    `store_tp_field`: the setting `store_tp_size` comes from, named by an error about it."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
     algo = getattr(cc, "prefix_caching_hash_algo", "sha256")
@@ -178,7 +179,7 @@ def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
         tp_size=tp,
         hash_algo=algo,
         cache_layout=device,
-        store_tp_size=check_store_tp_size(store_tp_size, heads, tp),
+        store_tp_size=check_store_tp_size(store_tp_size, heads, tp, store_tp_field),
         tenant=tenant,
     )
 
@@ -196,21 +197,22 @@ def check_disk_tier(layout: Layout, enable_offload: bool) -> None:
             f"{layout.tp_size}, or serve without the disk tier")
 
 
-def check_store_tp_size(store_tp_size: int | None, heads: int, tp_size: int = 1) -> int:
+def check_store_tp_size(store_tp_size: int | None, heads: int, tp_size: int = 1,
+                        field: str = "store_tp_size") -> int:
     """The configured store TP size, checked against the model's KV heads and this engine's
-    TP size (0: unset). Shards and ranks must nest: each rank holds whole shards, or each
-    shard spans whole ranks."""
+    TP size (0: unset); an error names `field`, the setting it comes from. Shards and ranks
+    must nest: each rank holds whole shards, or each shard spans whole ranks."""
     if not store_tp_size:
         return 0
     if heads % store_tp_size and store_tp_size % heads:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ValueError(
-            f"store_tp_size: {store_tp_size} does not split the model's {heads} KV heads "
+            f"{field}: {store_tp_size} does not split the model's {heads} KV heads "
             f"evenly; use one of {divisors} or a multiple of {heads}")
     shards, ranks = min(store_tp_size, heads), min(tp_size, heads)
     if max(shards, ranks) % min(shards, ranks):
         raise ValueError(
-            f"store_tp_size: {store_tp_size} and this engine's TP size {tp_size} do not nest "
+            f"{field}: {store_tp_size} and this engine's TP size {tp_size} do not nest "
             f"(a rank would hold one and a half shards); use a multiple or a divisor of "
             f"{tp_size}")
     return store_tp_size

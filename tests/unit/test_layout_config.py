@@ -49,6 +49,23 @@ def test_store_tp_size_must_split_the_kv_heads():
         check_store_tp_size(3, 6, tp_size=2)  # rank 0 would hold shard 0 and half of shard 1
 
 
+def test_a_least_common_multiple_that_does_not_fit_names_prefill_tp_sizes():
+    """With enable_store_tp_lcm the store TP size is worked out from prefill_tp_sizes: an
+    error about it names that list, not store_tp_size, which is not set."""
+    from connector.store.keys import layout_from_vllm
+    from tests.unit.test_keys import _vllm_config
+
+    c = cfg(enable_store_tp_lcm=True, prefill_tp_sizes=[3])
+    with pytest.raises(ValueError, match=r"^prefill_tp_sizes \(least common multiple of "
+                                         r"\[3\]\): 3 does not split the model's 4 KV heads"):
+        layout_from_vllm(_vllm_config(), store_tp_size=c.store_tp,
+                         store_tp_field=c.store_tp_field)
+    c = cfg(enable_store_tp_lcm=True, prefill_tp_sizes=[2, 4])
+    assert layout_from_vllm(_vllm_config(tp=2), store_tp_size=c.store_tp,
+                            store_tp_field=c.store_tp_field).store_tp_size == 4
+    assert cfg(store_tp_size=3).store_tp_field == "store_tp_size"
+
+
 def test_the_chart_schema_admits_the_lists():
     schema = helm_extra_config()["prefill_tp_sizes"]
     assert schema["type"] == "array" and schema["items"]["minimum"] == 1
