@@ -211,8 +211,8 @@ Piece = tuple[_Run, int, int]
 
 # A block's key in the planned saves and the live set: group 0's (a model with one KV cache
 # group: nearly every model) is its hash itself, another group's `(group, hash)`. Group 0 makes
-# no object per block: at 8,192 blocks the tuples, and the collections their allocations set
-# off, cost a load's events a third of their time.
+# no object per block: for a long prompt the tuples, and the collections their allocations
+# set off, were much of a load's events (docs/performance.md).
 Key = bytes | tuple[int, bytes]
 
 
