@@ -115,6 +115,9 @@ class _Job:
     ready: Any = None  # torch.cuda.Event for saves when the caches are on CUDA
     released: bool = False  # a save: its blocks are no longer needed (guarded by _release_lock)
     t_started: float = 0.0  # when a thread took it (perf_counter; 0: never)
+    # A save expired while its thread ran it: the expiry's reason or the thread's account,
+    # whichever came first (guarded by _release_lock; `MooncakeStoreWorker._late_save`).
+    late: SaveEvent | str | None = None
 
 
 def step_deadline_s(config: ConnectorConfig) -> float:
@@ -820,23 +823,44 @@ class MooncakeStoreWorker:
             except Exception:  # events must never keep a job from releasing its blocks
                 logger.exception("KV events: recording saved blocks failed")
         self._release(job)
-        if not ticket.finish():
-            return  # expired or dropped: reported then, and it never read released blocks
-        self._saves_failing = bool(code)
-        self.events.save(SaveEvent(
+        event = SaveEvent(
             tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=stored, skipped=skipped,
             failed_keys=max(0, self._offered_keys(t) - stored - skipped), nbytes=nbytes,
             code=code, failed_op=op, t_enqueue=job.t_enqueue, t_start=t_start, t_ready=t_ready,
-            t_exists_end=t_exists, t_end=time.perf_counter(), trace_parent=job.trace_parent))
+            t_exists_end=t_exists, t_end=time.perf_counter(), trace_parent=job.trace_parent)
+        if not ticket.finish():  # expired or dropped meanwhile (it never read released blocks)
+            self._late_save(job, event)
+            return
+        self._saves_failing = bool(code)
+        self.events.save(event)
 
-    def _save_expired(self, job: _Job, reason: str, _slot: int | None) -> None:
+    def _save_expired(self, job: _Job, reason: str, slot: int | None) -> None:
         """A save past its deadline, dropped (preempted, or queued while saves fail) or queued
         at shutdown: never inside `touching()`, so it has read its blocks already or never
         will; they are released now."""
         self._release(job)
         if reason == TIMEOUT:
             self._saves_failing = True
+        if slot is not None:  # running (not at shutdown): its put may still land
+            self._late_save(job, reason)
+            return
         self._save_lost(job.transfer, reason, job.t_enqueue, job.trace_parent)
+
+    def _late_save(self, job: _Job, got: SaveEvent | str) -> None:
+        """A save expired (or dropped) while its thread ran it: `got` is the expiry's reason
+        (from `_save_expired`) or the thread's account of what its calls stored (once they
+        returned). Whichever comes second reports the save, once: the keys its put stored
+        after the deadline are stored (save_keys), not lost, and those it did not store are
+        lost with the expiry's reason. The report waits for the call, which Mooncake's
+        transfer timeout bounds (docs/reliability-bounds.md)."""
+        with self._release_lock:
+            first, job.late = job.late, got
+        if first is None:
+            return
+        event, reason = (got, first) if isinstance(got, SaveEvent) else (first, got)
+        if event.failed_keys and not event.code:
+            event = replace(event, code=reason, failed_op="save")
+        self.events.save(event)
 
     def _save_lost(self, t: BlockTransfer, reason: str, t_enqueue: float, trace: Any) -> None:
         """A save that wrote nothing: every key it offered is lost (save_error_keys)."""
