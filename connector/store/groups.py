@@ -99,6 +99,15 @@ def groups_from_kv_cache_config(kv_cache_config: Any, block_size: int
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
+            # vLLM groups the subclasses of one base spec as "uniform": full attention beside
+            # MLA, sink or R-SWA layers (which evict blocks) would pass as plain full attention
+            # if only the first layer's spec were read.
+            kinds = sorted({type(s).__name__ for s in spec.kv_cache_specs.values()})
+            if len(kinds) > 1:
+                raise GroupError(
+                    f"KV cache group {i} mixes {', '.join(kinds)} layers (layers "
+                    f"{list(g.layer_names)[:3]}...); this connector stores a group of one kind. "
+                    "Serve this model without the connector, or report the model")
             spec = next(iter(spec.kv_cache_specs.values()))
         if getattr(spec, "block_size", block_size) != block_size:
             raise GroupError(

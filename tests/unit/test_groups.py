@@ -18,7 +18,10 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MambaSpec,
     MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from connector.store.groups import FULL, SLIDING, GroupError, GroupSpec, groups_from_kv_cache_config
@@ -96,6 +99,19 @@ def test_groups_from_vllms_kv_cache_config():
     assert groups_from_kv_cache_config(_config((["m"], mla)), BS) == (
         GroupSpec(FULL, 0, ("m",), latent=True),)
     assert groups_from_kv_cache_config(None, BS) == (GroupSpec(),)
+    same = UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs={"d": full, "e": full})
+    assert groups_from_kv_cache_config(_config((["d", "e"], same)), BS) == (
+        GroupSpec(FULL, 0, ("d", "e")),)
+
+
+FULL_SPEC = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+
+
+def _uniform(other) -> list:
+    """One group vLLM calls uniform (every layer a FullAttentionSpec, subclasses included):
+    a full attention layer, then `other`."""
+    return [(["a", "b"], UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs={
+        "a": FULL_SPEC, "b": other}))]
 
 
 @pytest.mark.parametrize("groups, why", [
@@ -107,6 +123,12 @@ def test_groups_from_vllms_kv_cache_config():
                                 dtype=torch.bfloat16)),
       (["m"], MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576,
                                dtype=torch.bfloat16))], "mixes MLA"),
+    (_uniform(RSWASpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                       rswa_window=64)), "group 0 mixes FullAttentionSpec, RSWASpec"),
+    (_uniform(SinkFullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32,
+                                    dtype=torch.bfloat16, sink_len=4)), "mixes FullAttention"),
+    (_uniform(MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576,
+                               dtype=torch.bfloat16)), "mixes FullAttentionSpec, MLA"),
 ])
 def test_groups_the_store_cannot_hold_are_refused(groups, why):
     with pytest.raises(GroupError, match=why):
