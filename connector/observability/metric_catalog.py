@@ -21,6 +21,10 @@ LATENCY_BUCKETS = (
     5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
 )
+# Time to first token: a queued request waits for a sequence slot far past 20 s under
+# overload, so these go on as vLLM's own time_to_first_token_seconds does (to 2,560 s), and
+# the two compare bucket for bucket above 20 s.
+TTFT_BUCKETS = (*LATENCY_BUCKETS, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Family:
     labels: tuple[str, ...]
     help: str
     question: str
+    buckets: tuple[float, ...] = LATENCY_BUCKETS  # a histogram's
 
     @property
     def name(self) -> str:
@@ -133,9 +138,9 @@ FAMILIES: tuple[Family, ...] = (
            "Is the auto tuner healthy?"),
     # The store's share of time to first token (scheduler; requests that load from the store).
     Family("ttft_store_seconds", "histogram", ("mode",), "Time a request that loads from the store spends before its prefill runs: from its arrival at the scheduler until its prefill is scheduled with the loaded prefix; mode async (it waited in WAITING_FOR_REMOTE_KVS) or sync (loaded inside the engine step, which waited for it). Compare with vllm:time_to_first_token_seconds.",
-           "How much time to first token does a store hit cost?"),
+           "How much time to first token does a store hit cost?", buckets=TTFT_BUCKETS),
     Family("ttft_store_phase_seconds", "histogram", ("phase",), "The phases of ttft_store_seconds, per request, in order: lookup (arrival to the store lookup's answer), admit (to the load sent to the workers), load_start (to the load queued on the worker), load_queue (to a receive thread taking it), load_transfer (store get and copies), load_report (to vLLM hearing of it, at a step's end), handoff (the rest of the round trip from the scheduler to the workers and back), reschedule (to the prefill scheduled).",
-           "Where does a store hit's extra time to first token go?"),
+           "Where does a store hit's extra time to first token go?", buckets=TTFT_BUCKETS),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code", "tenant"),
            "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unsafe (a save not made: its request shared a step with an in-step load that failed, so its blocks may be wrong), unavailable (no client), other.",

@@ -23,7 +23,6 @@ from connector.config import DEFAULT_TENANT, ConfigError, ConnectorConfig, load_
 from connector.observability.metric_catalog import (
     EXEMPLAR_LABELS,
     FAMILIES,
-    LATENCY_BUCKETS,
     Family,
     known_series,
 )
@@ -79,7 +78,7 @@ class PooledStorePromMetrics(KVConnectorPromMetrics):
                                   "labelnames": labels}
         if fam.kind == "histogram":
             cls = self._histogram_cls
-            kwargs["buckets"] = list(LATENCY_BUCKETS)
+            kwargs["buckets"] = list(fam.buckets)
         elif fam.kind == "counter":
             cls = self._counter_cls
         else:

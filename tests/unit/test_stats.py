@@ -253,3 +253,31 @@ def test_only_jobs_that_ran_their_phases_feed_the_phase_histograms():
     assert h["load_job_seconds|0|0"] == h["load_queue_wait_seconds|0|0"] == 3
     assert h["save_ready_wait_seconds|0"] == 1
     assert snap["c"]["load_jobs|0|0|ok"] == 2 and snap["c"]["save_error_keys|0"] == 6
+
+
+def test_the_store_share_of_ttft_resolves_past_20_s_as_vllms_ttft_does():
+    """A queued request under overload waits minutes for a slot: its ttft_store_* samples
+    land in buckets up to vLLM's own time_to_first_token_seconds top (2,560 s), not all in
+    +Inf above 20 s, where histogram_quantile reads every one as 20 s."""
+    from vllm.v1.metrics.buckets import TIME_TO_FIRST_TOKEN_BUCKETS
+
+    types, reg = fresh_types()
+    prom = PooledStorePromMetrics(vllm_cfg(tp=1), types, ["model_name", "engine"],
+                                  {0: ["m", "0"]})
+    prom.observe({"h": {"ttft_store_seconds|async": [100.0],
+                        "ttft_store_phase_seconds|admit": [30.0],
+                        "load_transfer_seconds|0|0": [30.0]}}, 0)
+    base = {"model_name": "m", "engine": "0"}
+
+    def bucket(name: str, le: str, **labels: str) -> float | None:
+        return reg.get_sample_value(f"vllm:mooncake_pool_{name}_bucket",
+                                    {**base, **labels, "le": le})
+
+    assert (bucket("ttft_store_seconds", "80.0", mode="async"),
+            bucket("ttft_store_seconds", "160.0", mode="async")) == (0, 1)
+    assert bucket("ttft_store_phase_seconds", "40.0", phase="admit") == 1
+    ours = {float(s.labels["le"]) for m in reg.collect() if m.name.endswith("ttft_store_seconds")
+            for s in m.samples if s.name.endswith("_bucket")}
+    assert {b for b in TIME_TO_FIRST_TOKEN_BUCKETS if b >= 20} <= ours, "vLLM's, from 20 s up"
+    # The transfer histograms keep their 50 us .. 20 s range.
+    assert bucket("load_transfer_seconds", "40.0", tp_rank="0", thread="0") is None
