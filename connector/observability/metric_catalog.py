@@ -105,7 +105,7 @@ FAMILIES: tuple[Family, ...] = (
            "How many blocks are being stored?"),
     Family("save_skipped_keys", "counter", _R, "Keys not written because the store already holds them.",
            "How much is deduplicated?"),
-    Family("save_error_keys", "counter", _R, "Store keys a save did not write: its put or existence check failed (a full store, a master outage), or it was dropped, expired or shut down first. Those blocks miss later. Keys written + skipped + failed = keys each finished request offered.",
+    Family("save_error_keys", "counter", _R, "Store keys a save did not write: its put or existence check failed (a full store, a master outage), or it was dropped, expired or shut down first. Those blocks miss later. Keys written + skipped + failed = keys each finished request offered, once its saves reported (one expired while its put ran reports when the put returns, at the latest at shutdown).",
            "How much of what the engine computed never reaches the store?"),
     Family("layout_keys", "counter", ("tp_rank", "op", "layout", "group", "store_tp_size", "tp_size"),
            "Store objects this rank loaded or saved (op), by stored layout: kv_heads (a block's KV heads in store_tp_size shards, each object read whole), kv_heads_slice (part of a shard read by a rank of a larger TP size), latent (MLA: one object per block every rank reads); the KV cache group kind (full or sliding_window), and this engine's tp_size.",

@@ -116,8 +116,11 @@ class _Job:
     released: bool = False  # a save: its blocks are no longer needed (guarded by _release_lock)
     t_started: float = 0.0  # when a thread took it (perf_counter; 0: never)
     # A save expired while its thread ran it: the expiry's reason or the thread's account,
-    # whichever came first (guarded by _release_lock; `MooncakeStoreWorker._late_save`).
-    late: SaveEvent | str | None = None
+    # whichever came first, then REPORTED (guarded by _release_lock; `_late_save`).
+    late: SaveEvent | str | object | None = None
+
+
+REPORTED = object()  # `_Job.late` of a save whose late report went out
 
 
 def step_deadline_s(config: ConnectorConfig) -> float:
@@ -180,6 +183,8 @@ class MooncakeStoreWorker:
             on_probe_error=lambda: self.recorder.count("master_probe_errors", tp_rank))
         self.ledger = RequestLedger()
         self._release_lock = threading.Lock()
+        # Saves expired while their thread ran them, waiting for its account (by id).
+        self._late_waiting: dict[int, _Job] = {}
         self._saves_failing = False  # the last save ended in a store error
         self._shutdown_lost = 0  # store keys of saves failed at shutdown (logged there)
         # In-step loads (connector.scheduler.step_loads) run on a thread of their own, labelled
@@ -851,16 +856,36 @@ class MooncakeStoreWorker:
         (from `_save_expired`) or the thread's account of what its calls stored (once they
         returned). Whichever comes second reports the save, once: the keys its put stored
         after the deadline are stored (save_keys), not lost, and those it did not store are
-        lost with the expiry's reason. The report waits for the call, which Mooncake's
-        transfer timeout bounds (docs/reliability-bounds.md)."""
+        lost with the expiry's reason (the put's own failure code, if any, is in the
+        warning it logged). The report waits for the call, which Mooncake's timeouts bound
+        (docs/reliability-bounds.md); one still out at shutdown is reported lost then."""
         with self._release_lock:
-            first, job.late = job.late, got
-        if first is None:
+            first = job.late
+            job.late = got if first is None else REPORTED
+            if first is None and isinstance(got, str):
+                self._late_waiting[id(job)] = job
+            else:
+                self._late_waiting.pop(id(job), None)
+        if first is None or first is REPORTED:
             return
         event, reason = (got, first) if isinstance(got, SaveEvent) else (first, got)
-        if event.failed_keys and not event.code:
+        if event.failed_keys:
             event = replace(event, code=reason, failed_op="save")
         self.events.save(event)
+
+    def _settle_late_saves(self) -> int:
+        """At shutdown: saves expired while their thread ran it, whose calls have not returned,
+        are reported lost with their expiry's reason (the process may exit before the calls
+        return). Returns their keys."""
+        with self._release_lock:
+            waiting = list(self._late_waiting.values())
+            self._late_waiting.clear()
+            reasons = [job.late for job in waiting]
+            for job in waiting:
+                job.late = REPORTED
+        for job, reason in zip(waiting, reasons, strict=True):
+            self._save_lost(job.transfer, str(reason), job.t_enqueue, job.trace_parent)
+        return sum(self._offered_keys(job.transfer) for job in waiting)
 
     def _save_lost(self, t: BlockTransfer, reason: str, t_enqueue: float, trace: Any) -> None:
         """A save that wrote nothing: every key it offered is lost (save_error_keys)."""
@@ -900,14 +925,16 @@ class MooncakeStoreWorker:
             t.start()
         for t in closers:
             t.join()
+        late = self._settle_late_saves()
         # The time is in the line so that a stop can be checked against SHUTDOWN_BOUND_S
         # (tests/e2e/test_graceful_stop.py reads it from the engine's log).
         took = time.monotonic() - t0
-        if self._shutdown_lost or stuck:
+        if self._shutdown_lost or stuck or late:
             logger.warning("shutdown: %d store keys of saves still queued after %.0fs were not "
-                           "saved (counted in save_error_keys); %d threads still inside a store "
+                           "saved, nor %d of saves past their deadline still in a store call "
+                           "(counted in save_error_keys); %d threads still inside a store "
                            "call; took %.2fs", self._shutdown_lost, SHUTDOWN_SAVE_DRAIN_S,
-                           len(stuck), took)
+                           late, len(stuck), took)
         else:
             logger.info("shutdown: 0 store keys lost, every queued save was written; took %.2fs",
                         took)

@@ -392,6 +392,65 @@ def test_shutdown_counts_and_logs_the_saves_it_loses(make_worker_on, cluster, ca
     assert lines and lines[0].startswith("shutdown: 6 store keys"), lines
 
 
+def expired_in_its_put(make_worker_on, master, prefix: str, transfer_timeout: float):
+    """A staged save of two buffer-fulls on a frozen store node (the caller's), past its
+    deadline while its thread is in its first put: its request released, its report waiting
+    for the put. The worker, and a function that adds up its counters from then on."""
+    w = make_worker_on(master, caches=kv_caches(seed=7), prefix=prefix, save_timeout_s=TIMEOUT_S,
+                       transfer_timeout=transfer_timeout, **STAGED)
+    w.recorder.snapshot()
+    total: dict = {}
+
+    def counted() -> dict:
+        snap = w.recorder.snapshot()
+        for k, v in (snap.data["c"].items() if snap else ()):
+            total[k] = total.get(k, 0) + v
+        return total
+
+    w.note_free_after(StepMetadata(free_after_jobs=("s",)))
+    w.start_save(StepMetadata(saves=(BlockTransfer("s", (0, 1, 2, 3), hashes(prefix, 4)),)))
+    wait_until(lambda: "s" in (w.get_finished()[0] or ()), 10, "the save was never released")
+    assert w.save_pool.expired == 1 and w.save_pool.inflight[0] + w.save_pool.stuck, \
+        "the save is not in its put past its deadline"
+    return w, counted
+
+
+def test_a_save_past_its_deadline_whose_put_then_fails_counts_as_a_timeout(make_worker_on,
+                                                                          cluster):
+    """Its put fails (Mooncake's transfer timeout) after the save's deadline: the save is a
+    timeout, as docs/reliability-bounds.md says, every key lost, reported once."""
+    master, node = cluster
+    with frozen(node.proc):
+        w, counted = expired_in_its_put(make_worker_on, master, "late-fails", 2)
+        wait_until(lambda: w.save_pool.idle and w.save_pool.stuck == 0, 30,
+                   "the put never failed")
+    c = counted()
+    assert (c.get("save_keys|0", 0), c["save_error_keys|0"]) == (0, 4), c
+    assert [k for k in c if k.startswith("failures|")] == ["failures|0|save|timeout"], c
+    assert c["failures|0|save|timeout"] == 1, c
+
+
+def test_shutdown_counts_a_save_past_its_deadline_still_in_its_put(make_worker_on, cluster,
+                                                                  caplog):
+    """The engine stops while a save past its deadline is still in its put: the process may
+    exit before the put returns, so shutdown counts its keys lost (timeout) and logs them;
+    the put returning afterwards counts nothing more."""
+    master, node = cluster
+    caplog.set_level(logging.WARNING, logger="vllm.connector.worker.worker")
+    with frozen(node.proc):
+        w, counted = expired_in_its_put(make_worker_on, master, "late-shutdown", 20)
+        assert counted().get("save_error_keys|0", 0) == 0, "reported before its put returned"
+        w.shutdown()
+        c = dict(counted())
+    assert (c["save_error_keys|0"], c["failures|0|save|timeout"]) == (4, 1), c
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shutdown:")]
+    assert lines and "nor 4 of saves past their deadline" in lines[0], lines
+    wait_until(lambda: w.save_pool.stuck == 0, 40, "the put never returned")
+    report = ("save_keys|0", "save_error_keys|0", "failures|0|save|timeout")
+    assert [counted().get(k, 0) for k in report] == [c.get(k, 0) for k in report], \
+        "the put's return reported the save again"
+
+
 def test_save_after_an_rpc_failure_makes_no_put(make_worker_on, cluster):
     """The existence check of a save fails with an RPC timeout (master frozen): the breaker
     opens and the save stops there. It must not go on to put (that would wait out another
