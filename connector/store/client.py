@@ -208,6 +208,23 @@ def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     return leader, (f"{what} is unreachable ({err})" if err else None)
 
 
+def _etcd_problem(ep: str, timeout: float) -> str | None:
+    """None if etcd answers at host:port `ep` (its /version names the etcd server), else what
+    answers there instead."""
+    try:
+        with urllib.request.urlopen(f"http://{ep}/version", timeout=timeout) as r:
+            body = r.read(256)
+    except urllib.error.HTTPError as e:
+        return f"it answers GET /version with HTTP {e.code}, as etcd does not"
+    except (OSError, http.client.HTTPException) as e:
+        return f"no etcd answers there ({e})"
+    try:
+        etcd = "etcdserver" in json.loads(body)
+    except (ValueError, TypeError):
+        etcd = False
+    return None if etcd else f"it answers GET /version with {body[:60]!r}, as etcd does not"
+
+
 def check_reachable(cfg: StoreConfig, timeout: float) -> str:
     """The serving master's address; raise StoreUnavailable naming the field that is wrong."""
     master, problem = find_master(cfg, timeout)
@@ -222,6 +239,16 @@ def check_reachable(cfg: StoreConfig, timeout: float) -> str:
         if ep is None:
             raise StoreUnavailable(f"metadata_server: no etcd endpoint of {cfg.metadata_server} "
                                    f"answers ({err}); start etcd there or fix the address")
+    elif _is_host_port(cfg.metadata_server):
+        # No scheme: an etcd address to Mooncake. Pointed at the master's HTTP metadata
+        # server instead, setup() talks etcd to it for minutes holding the GIL, then fails
+        # naming master_server_address.
+        problem = _etcd_problem(cfg.metadata_server, timeout)
+        if problem:
+            raise StoreUnavailable(
+                f"metadata_server: {cfg.metadata_server} has no scheme, which Mooncake reads as "
+                f"an etcd address, but {problem}; write http://{cfg.metadata_server}/metadata "
+                "for the master's HTTP metadata server, or start etcd there")
     if url.scheme in ("http", "https"):
         err = _probe_tcp(url.hostname or "", url.port or (443 if url.scheme == "https" else 80),
                          timeout)

@@ -4,6 +4,7 @@ and degraded mode serves without the cache until the master appears."""
 from __future__ import annotations
 
 import time
+import urllib.parse
 
 import pytest
 
@@ -19,6 +20,29 @@ def test_master_unreachable_fails_fast():
     with pytest.raises(StoreUnavailable, match="master_server_address.*unreachable"):
         check_reachable(cfg.store, timeout=1.0)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_metadata_server_without_a_scheme_must_be_etcd(ha_etcd):
+    """Mooncake reads a metadata_server without a scheme (host:port) as an etcd address. One
+    that names the master's HTTP metadata server instead is refused within the probe's
+    timeout, the field and the fix named (setup() held the GIL for minutes, then blamed
+    master_server_address); one that names etcd passes."""
+    master = MooncakeMaster().start()
+    try:
+        http_md = urllib.parse.urlparse(master.metadata_server).netloc
+        cfg = load_config(master.store_config(metadata_server=http_md), {})
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=(
+                rf"^metadata_server: {http_md} has no scheme, which Mooncake reads as an etcd "
+                rf"address, but it answers GET /version with HTTP 404, .*; write "
+                rf"http://{http_md}/metadata ")):
+            check_reachable(cfg.store, timeout=1.0)
+        assert time.monotonic() - t0 < 5
+        etcd = ha_etcd[0].endpoint
+        cfg = load_config(master.store_config(metadata_server=etcd), {})
+        assert check_reachable(cfg.store, timeout=1.0) == master.address
+    finally:
+        master.stop()
 
 
 def test_degrade_mode_serves_without_store_then_connects():
