@@ -61,6 +61,7 @@ def inherited_cpus() -> str:
 QUEUED, RUNNING, TOUCHING, DONE, EXPIRED = range(5)
 WATCHDOG_TICK_S = 0.05
 TIMEOUT = "timeout"  # the reason given to on_expire for a job past its deadline
+SHUTDOWN = "shutdown"  # the reason given to on_expire for a job still queued at close
 
 
 class Ticket(Generic[J]):
@@ -214,7 +215,7 @@ class RecvPool(Generic[J]):
                 self._peak_depth = max(self._peak_depth, len(self._jobs))
                 self._work.notify()
         if closing:
-            self._expire_now(job, "shutdown", None)
+            self._expire_now(job, SHUTDOWN, None)
 
     def set_active(self, n: int) -> None:
         """Let slots 0..n-1 take jobs; the others park after their current job."""
@@ -239,6 +240,11 @@ class RecvPool(Generic[J]):
         """No job queued and no call running (a retired thread's included)."""
         with self._lock:
             return not self._jobs and not self._current
+
+    def running(self) -> list[J]:
+        """The jobs a thread is still running, a retired thread's and expired ones included."""
+        with self._lock:
+            return [t.job for t in self._current.values() if t.state != DONE]
 
     @property
     def stalled(self) -> bool:
@@ -452,7 +458,7 @@ class RecvPool(Generic[J]):
             # and every thread started since (a replacement spawned before close began)
             threads += [t for t in self._threads if t not in threads]
         for t in queued:
-            self._expire_now(t.job, "shutdown", None)
+            self._expire_now(t.job, SHUTDOWN, None)
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))

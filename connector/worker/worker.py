@@ -59,7 +59,7 @@ from connector.worker.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.worker.ledger import RequestLedger
 from connector.worker.preload import PreloadArena
 from connector.worker.rank_agreement import AnyRank, lone_rank
-from connector.worker.recv_pool import TIMEOUT, RecvPool, Ticket, inherited_cpus
+from connector.worker.recv_pool import SHUTDOWN, TIMEOUT, RecvPool, Ticket, inherited_cpus
 from connector.worker.save_guard import UNSAFE_CODE, SaveGuard
 from connector.worker.staging import BlockStager, ranged_get
 
@@ -836,6 +836,10 @@ class MooncakeStoreWorker:
         if not ticket.finish():  # expired or dropped meanwhile (it never read released blocks)
             self._late_save(job, event)
             return
+        with self._release_lock:
+            counted, job.late = job.late is REPORTED, REPORTED
+        if counted:
+            return  # shutdown counted it lost while its call was out
         self._saves_failing = bool(code)
         self.events.save(event)
 
@@ -849,6 +853,8 @@ class MooncakeStoreWorker:
         if slot is not None:  # running (not at shutdown): its put may still land
             self._late_save(job, reason)
             return
+        if reason == SHUTDOWN:  # still queued: counted in the shutdown line's first number
+            self._shutdown_lost += self._offered_keys(job.transfer)
         self._save_lost(job.transfer, reason, job.t_enqueue, job.trace_parent)
 
     def _late_save(self, job: _Job, got: SaveEvent | str) -> None:
@@ -858,7 +864,8 @@ class MooncakeStoreWorker:
         after the deadline are stored (save_keys), not lost, and those it did not store are
         lost with the expiry's reason (the put's own failure code, if any, is in the
         warning it logged). The report waits for the call, which Mooncake's timeouts bound
-        (docs/reliability-bounds.md); one still out at shutdown is reported lost then."""
+        (docs/reliability-bounds.md); one still out at shutdown is reported lost then
+        (`_settle_saves_in_calls`)."""
         with self._release_lock:
             first = job.late
             job.late = got if first is None else REPORTED
@@ -873,24 +880,25 @@ class MooncakeStoreWorker:
             event = replace(event, code=reason, failed_op="save")
         self.events.save(event)
 
-    def _settle_late_saves(self) -> int:
-        """At shutdown: saves expired while their thread ran it, whose calls have not returned,
-        are reported lost with their expiry's reason (the process may exit before the calls
-        return). Returns their keys."""
+    def _settle_saves_in_calls(self) -> int:
+        """At shutdown, once the pools gave their calls `SHUTDOWN_WAIT_S`: saves whose calls
+        have not returned are reported lost, as the process may exit before they do; those
+        past their deadline with their expiry's reason, the others as "shutdown" (one whose
+        expiry is not reported yet included). Their threads, and expiries, report nothing more
+        (`REPORTED`). Returns their keys."""
+        running = self.save_pool.running()
         with self._release_lock:
-            waiting = list(self._late_waiting.values())
+            lost = [(job, str(job.late)) for job in self._late_waiting.values()]
             self._late_waiting.clear()
-            reasons = [job.late for job in waiting]
-            for job in waiting:
+            lost += [(job, SHUTDOWN) for job in running if job.late is None]
+            for job, _ in lost:
                 job.late = REPORTED
-        for job, reason in zip(waiting, reasons, strict=True):
-            self._save_lost(job.transfer, str(reason), job.t_enqueue, job.trace_parent)
-        return sum(self._offered_keys(job.transfer) for job in waiting)
+        for job, reason in lost:
+            self._save_lost(job.transfer, reason, job.t_enqueue, job.trace_parent)
+        return sum(self._offered_keys(job.transfer) for job, _ in lost)
 
     def _save_lost(self, t: BlockTransfer, reason: str, t_enqueue: float, trace: Any) -> None:
         """A save that wrote nothing: every key it offered is lost (save_error_keys)."""
-        if reason == "shutdown":
-            self._shutdown_lost += self._offered_keys(t)
         now = time.perf_counter()
         self.events.save(SaveEvent(
             tp_rank=self.tp_rank, request_hash=request_hash(t.req_id), keys=0, skipped=0,
@@ -925,16 +933,16 @@ class MooncakeStoreWorker:
             t.start()
         for t in closers:
             t.join()
-        late = self._settle_late_saves()
+        in_calls = self._settle_saves_in_calls()
         # The time is in the line so that a stop can be checked against SHUTDOWN_BOUND_S
         # (tests/e2e/test_graceful_stop.py reads it from the engine's log).
         took = time.monotonic() - t0
-        if self._shutdown_lost or stuck or late:
+        if self._shutdown_lost or stuck or in_calls:
             logger.warning("shutdown: %d store keys of saves still queued after %.0fs were not "
-                           "saved, nor %d of saves past their deadline still in a store call "
-                           "(counted in save_error_keys); %d threads still inside a store "
-                           "call; took %.2fs", self._shutdown_lost, SHUTDOWN_SAVE_DRAIN_S,
-                           late, len(stuck), took)
+                           "saved, nor %d of saves still in a store call (counted in "
+                           "save_error_keys); %d threads still inside a store call; took %.2fs",
+                           self._shutdown_lost, SHUTDOWN_SAVE_DRAIN_S, in_calls, len(stuck),
+                           took)
         else:
             logger.info("shutdown: 0 store keys lost, every queued save was written; took %.2fs",
                         took)
