@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import socket
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -108,10 +109,13 @@ KEYS: tuple[Key, ...] = (
         "when it is set to another value", env=CLUSTER_ID_ENV, mooncake=True,
         shown=f"env `{CLUSTER_ID_ENV}`, else Mooncake's `mooncake_cluster`"),
     Key("protocol", "choice", "tcp", "`tcp` or `rdma`", choices=("tcp", "rdma"),
-        mooncake=True, fix="rdma needs device_name"),
-    Key("device_name", "text", "", "RDMA device(s), required for `rdma`", mooncake=True),
-    Key("local_hostname", "text", "127.0.0.1", "address other nodes reach this one at",
-        env="MOONCAKE_LOCAL_HOSTNAME", mooncake=True),
+        mooncake=True),
+    Key("device_name", "text", "", "RDMA device(s) for `rdma` (e.g. `mlx5_0`); empty: Mooncake "
+        "finds them itself, as with the in-tree connector", mooncake=True),
+    Key("local_hostname", "text", None, "address other nodes reach this one at",
+        env="MOONCAKE_LOCAL_HOSTNAME", mooncake=True,
+        shown="`VLLM_HOST_IP`, else this node's address on the route to the master "
+              "(`127.0.0.1` for a master on this host's loopback)"),
     Key("global_segment_size", "size", 4 * 2**30,
         "bytes this engine adds to the pool; `0` when store nodes hold the data (blocks then "
         "survive engine restarts)", mooncake=True, shown="`4GB`"),
@@ -454,7 +458,7 @@ class StoreConfig:
     master_server_address: str
     protocol: str = _d("protocol")
     device_name: str = _d("device_name")
-    local_hostname: str = _d("local_hostname")
+    local_hostname: str = _d("local_hostname")  # None: load_config works it out
     global_segment_size: int = _d("global_segment_size")
     local_buffer_size: int = _d("local_buffer_size")
     replica_num: int = _d("replica_num")
@@ -591,6 +595,29 @@ def _master_address(value: str, field_name: str) -> str:
                           ) from None
 
 
+def _local_hostname(master: str, environ: Mapping[str, str]) -> str:
+    """The address this engine registers its segment at when none is set, which other nodes
+    use to reach it: VLLM_HOST_IP, as vLLM's get_ip and the in-tree connector read it; else
+    this node's address on the route to the master (its first etcd endpoint in HA), so a
+    master on another node gets this node's IP, one on this host's loopback 127.0.0.1; else
+    vLLM's get_ip. A loopback default registered with a remote master sent other nodes'
+    transfers to their own loopback."""
+    if environ.get("VLLM_HOST_IP"):
+        return environ["VLLM_HOST_IP"]
+    ep = master.removeprefix(ETCD_SCHEME)
+    host, _, port = re.split(r"[,;]", ep)[0].strip().rpartition(":")
+    try:  # a UDP connect sends nothing: it only picks the route
+        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), int(port),
+                                                   type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        from vllm.utils.network_utils import get_ip
+
+        return get_ip()
+
+
 def _cluster_id(cid: str, field_name: str, master: str, environ: Mapping[str, str]) -> str:
     """The HA cluster id; it must agree with MC_STORE_CLUSTER_ID, which the client reads."""
     env = environ.get(CLUSTER_ID_ENV, "")
@@ -679,7 +706,8 @@ def load_config(
                                value("master_server_address"), environ),
         protocol=value("protocol"),
         device_name=value("device_name"),
-        local_hostname=value("local_hostname"),
+        local_hostname=value("local_hostname") if "local_hostname" in merged
+        else _local_hostname(value("master_server_address"), environ),
         global_segment_size=value("global_segment_size"),
         local_buffer_size=value("local_buffer_size"),
         replica_num=value("replica_num"),
@@ -687,11 +715,6 @@ def load_config(
         tenant_id=_tenant_id(merged.get("tenant_id"), where("tenant_id")),
         preferred_segment=value("preferred_segment"),
     )
-    if store.protocol == "rdma" and not store.device_name:
-        raise ConfigError(
-            f"{where('device_name')}: protocol rdma needs an RDMA device (e.g. \"mlx5_0\"); "
-            "set device_name or use protocol tcp"
-        )
     threads, auto = _threads(merged, source)
     parsed = {k.name: value(k.name) for k in KEYS
               if not k.mooncake and k.name not in ("load_threads", "load_threads_max")}

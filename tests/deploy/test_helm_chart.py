@@ -341,15 +341,12 @@ def test_schema_rejects_bad_values_in_lint_too(helm, tmp_path):
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"deployments": [{"name": "a", "model": "m", "protocol": "rdma"}]},
-     "deployments[a]: protocol rdma needs deviceName"),
     ({"deployments": [{"name": "a", "model": "m"}, {"name": "a", "model": "other"}]},
      'deployments: name "a" is used twice'),
     ({"deployments": [{"name": "a"}]}, "deployments[a]: model is required"),
     ({"deployments": [{"name": "a", "model": "m",
                        "extraEnv": [{"name": "HF_TOKEN", "value": "hf_x"}]}]},
      "deployments[a]: env HF_TOKEN must come from a Secret"),
-    ({"storeNodes": {"enabled": True, "protocol": "rdma"}}, "storeNodes"),
 ])
 def test_template_rejects_inconsistent_values(helm, values, message):
     assert message in helm.error(values=values)
@@ -404,6 +401,10 @@ def test_ipc_lock_only_with_rdma(helm):
     c = c["spec"]["template"]["spec"]["containers"][0]
     assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
     assert "--device_names=mlx5_1" in c["args"]
+    # No device named: Mooncake finds the RDMA devices itself (store nodes and engines).
+    auto = helm.render("--set", "storeNodes.enabled=true", "--set", "storeNodes.protocol=rdma")
+    c = by_kind(auto, "Deployment")[f"{RELEASE}-mooncake-pooled-connector-store"]
+    assert "--device_names=" in c["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_secrets_only_by_reference(helm):

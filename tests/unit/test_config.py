@@ -43,8 +43,12 @@ def test_unknown_protocol():
     assert "protocol" in msg and "'tcp'" in msg
 
 
-def test_rdma_needs_a_device():
-    assert "device_name" in error_for({"protocol": "rdma"})
+def test_rdma_without_a_device_lets_mooncake_find_them():
+    """vLLM's usage docs give `protocol: rdma` with `device_name: ""`: Mooncake 0.3.13 then
+    discovers the RDMA devices itself ("Set auto discovery ON by default ... since no device
+    names provided"), and the in-tree connector passes the empty name on."""
+    cfg = load_config({**BASE, "protocol": "rdma", "device_name": ""}, environ={})
+    assert (cfg.store.protocol, cfg.store.device_name) == ("rdma", "")
 
 
 def test_staging_mode():

@@ -149,3 +149,24 @@ def test_tenant_and_disk_tier():
             load_config({**BASE, "tenant_id": bad}, {})
     assert not load_config({**BASE, "enable_offload": True, "tier_metrics": False},
                            {}).tier_metrics
+
+
+def test_local_hostname_by_default_is_this_nodes_address_toward_the_master():
+    """Unset, the segment's address is VLLM_HOST_IP (as the in-tree connector's get_ip), else
+    this node's address on the route to the master: a loopback default with a master on
+    another node sent other nodes' transfers to their own loopback."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this host's routed address
+        s.connect(("192.0.2.77", 9))
+        routed = s.getsockname()[0]
+    remote = {**BASE, "master_server_address": "192.0.2.77:50051"}
+    assert load_config(remote, {}).store.local_hostname == routed
+    assert load_config({**remote, "master_server_address": "etcd://192.0.2.77:2379,h:2379"},
+                       {}).store.local_hostname == routed
+    for master in ("127.0.0.1:50051", "localhost:50051", "etcd://127.0.0.1:2379"):
+        assert load_config({**BASE, "master_server_address": master},
+                           {}).store.local_hostname == "127.0.0.1", master
+    assert load_config(remote, {"VLLM_HOST_IP": "10.0.0.5"}).store.local_hostname == "10.0.0.5"
+    assert load_config({**remote, "local_hostname": "10.0.0.6"},
+                       {"VLLM_HOST_IP": "10.0.0.5"}).store.local_hostname == "10.0.0.6"

@@ -256,9 +256,6 @@ Call with (dict "out" $d "defaults" .Values.deploymentDefaults "entry" $entry "r
 {{- if not $out.model }}
 {{- fail (printf "%s: model is required" $where) }}
 {{- end }}
-{{- if and (eq $out.protocol "rdma") (not $out.deviceName) }}
-{{- fail (printf "%s: protocol rdma needs deviceName (e.g. mlx5_0)" $where) }}
-{{- end }}
 {{- include "mpc.checkEnv" (dict "env" $out.extraEnv "where" $where) }}
 {{- $mt := .root.Values.master.multiTenants }}
 {{- if and $mt.enabled (not $mt.tenants) }}
