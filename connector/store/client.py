@@ -20,6 +20,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -29,7 +30,13 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from connector.config import CLUSTER_ID_ENV, DEFAULT_TENANT, StoreConfig, etcd_endpoints
+from connector.config import (
+    CLUSTER_ID_ENV,
+    DEFAULT_TENANT,
+    ETCD_SCHEME,
+    StoreConfig,
+    etcd_endpoints,
+)
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -208,21 +215,26 @@ def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     return leader, (f"{what} is unreachable ({err})" if err else None)
 
 
-def _etcd_problem(ep: str, timeout: float) -> str | None:
-    """None if etcd answers at host:port `ep` (its /version names the etcd server), else what
-    answers there instead."""
+# Probes of etcd go to it directly: Mooncake's own etcd client does not use an HTTP proxy.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _not_etcd(ep: str, timeout: float) -> str | None:
+    """What answers HTTP at host:port `ep` when that is not etcd (etcd's GET /version names its
+    server); None for etcd, and for no HTTP answer at all (nothing there, or a gRPC-only
+    etcd), which this check leaves to Mooncake."""
     try:
-        with urllib.request.urlopen(f"http://{ep}/version", timeout=timeout) as r:
+        with _DIRECT.open(f"http://{ep}/version", timeout=timeout) as r:
             body = r.read(256)
     except urllib.error.HTTPError as e:
-        return f"it answers GET /version with HTTP {e.code}, as etcd does not"
-    except (OSError, http.client.HTTPException) as e:
-        return f"no etcd answers there ({e})"
+        return f"HTTP {e.code}"
+    except (OSError, http.client.HTTPException):
+        return None
     try:
         etcd = "etcdserver" in json.loads(body)
     except (ValueError, TypeError):
         etcd = False
-    return None if etcd else f"it answers GET /version with {body[:60]!r}, as etcd does not"
+    return None if etcd else repr(body[:60])
 
 
 def check_reachable(cfg: StoreConfig, timeout: float) -> str:
@@ -233,22 +245,28 @@ def check_reachable(cfg: StoreConfig, timeout: float) -> str:
             f"master_server_address: {problem}; start mooncake_master there, fix the address, "
             "or set kv_connector_extra_config.on_master_unreachable=\"degrade\" to serve "
             "without the cache")
-    url = urllib.parse.urlparse(cfg.metadata_server)
-    if url.scheme == "etcd":
-        ep, err = _probe_any(etcd_endpoints(cfg.metadata_server, "metadata_server"), timeout)
+    md = cfg.metadata_server
+    url = urllib.parse.urlparse(md)
+    bare = [] if "://" in md else [e.strip() for e in re.split(r"[,;]", md)]
+    if md.startswith(ETCD_SCHEME):
+        ep, err = _probe_any(etcd_endpoints(md, "metadata_server"), timeout)
         if ep is None:
-            raise StoreUnavailable(f"metadata_server: no etcd endpoint of {cfg.metadata_server} "
+            raise StoreUnavailable(f"metadata_server: no etcd endpoint of {md} "
                                    f"answers ({err}); start etcd there or fix the address")
-    elif _is_host_port(cfg.metadata_server):
-        # No scheme: an etcd address to Mooncake. Pointed at the master's HTTP metadata
+    elif bare and all(map(_is_host_port, bare)):
+        # No scheme: etcd endpoints to Mooncake. Pointed at the master's HTTP metadata
         # server instead, setup() talks etcd to it for minutes holding the GIL, then fails
-        # naming master_server_address.
-        problem = _etcd_problem(cfg.metadata_server, timeout)
-        if problem:
+        # naming master_server_address. Refused only when none is etcd and one answers HTTP
+        # as something else.
+        answers = {ep: _not_etcd(ep, timeout) for ep in bare}
+        other = {ep: a for ep, a in answers.items() if a is not None}
+        if len(other) == len(bare):
+            ep, what = next(iter(other.items()))
             raise StoreUnavailable(
-                f"metadata_server: {cfg.metadata_server} has no scheme, which Mooncake reads as "
-                f"an etcd address, but {problem}; write http://{cfg.metadata_server}/metadata "
-                "for the master's HTTP metadata server, or start etcd there")
+                f"metadata_server: {md} has no scheme, which Mooncake reads as etcd "
+                f"endpoints, but {ep} answers GET /version with {what}, as etcd does not; "
+                f"write http://{ep}/metadata for the master's HTTP metadata server, or "
+                f"etcd://{md} with etcd's endpoints")
     if url.scheme in ("http", "https"):
         err = _probe_tcp(url.hostname or "", url.port or (443 if url.scheme == "https" else 80),
                          timeout)

@@ -22,25 +22,31 @@ def test_master_unreachable_fails_fast():
     assert time.monotonic() - t0 < 5
 
 
-def test_a_metadata_server_without_a_scheme_must_be_etcd(ha_etcd):
-    """Mooncake reads a metadata_server without a scheme (host:port) as an etcd address. One
-    that names the master's HTTP metadata server instead is refused within the probe's
-    timeout, the field and the fix named (setup() held the GIL for minutes, then blamed
-    master_server_address); one that names etcd passes."""
+def test_a_metadata_server_without_a_scheme_must_be_etcd(ha_etcd, monkeypatch):
+    """Mooncake reads a metadata_server without a scheme (host:port[,host:port]) as etcd
+    endpoints. One that names the master's HTTP metadata server instead is refused within the
+    probe's timeout, the field and the fix named (setup() held the GIL for minutes, then
+    blamed master_server_address); etcd passes, in a list too, and through no HTTP proxy."""
     master = MooncakeMaster().start()
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")  # a dead proxy
     try:
         http_md = urllib.parse.urlparse(master.metadata_server).netloc
-        cfg = load_config(master.store_config(metadata_server=http_md), {})
+        etcd = ha_etcd[0].endpoint
+
+        def check(metadata_server: str) -> str:
+            cfg = load_config(master.store_config(metadata_server=metadata_server), {})
+            return check_reachable(cfg.store, timeout=1.0)
+
         t0 = time.monotonic()
         with pytest.raises(StoreUnavailable, match=(
-                rf"^metadata_server: {http_md} has no scheme, which Mooncake reads as an etcd "
-                rf"address, but it answers GET /version with HTTP 404, .*; write "
+                rf"^metadata_server: {http_md} has no scheme, which Mooncake reads as etcd "
+                rf"endpoints, but {http_md} answers GET /version with HTTP 404, .*; write "
                 rf"http://{http_md}/metadata ")):
-            check_reachable(cfg.store, timeout=1.0)
+            check(http_md)
         assert time.monotonic() - t0 < 5
-        etcd = ha_etcd[0].endpoint
-        cfg = load_config(master.store_config(metadata_server=etcd), {})
-        assert check_reachable(cfg.store, timeout=1.0) == master.address
+        assert check(etcd) == master.address
+        assert check(f"{etcd},{http_md}") == master.address  # one of them is etcd
+        assert check(f"http://{http_md}") == master.address  # a scheme: not this check's
     finally:
         master.stop()
 
