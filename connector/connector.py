@@ -101,7 +101,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                       latent=self.groups[0].latent,
                                       tenant="" if tenant == DEFAULT_TENANT else tenant,
                                       store_tp_field=self.config.store_tp_field)
-            check_disk_tier(layout, self.config.enable_offload)
+            check_disk_tier(layout, self.config.enable_offload, self.config.store_tp_field)
         except (ConfigError, GroupError, ValueError) as e:
             # One line that names the field and the fix, above vLLM's startup trace.
             logger.error("PooledMooncakeStoreConnector: invalid configuration: %s", e)
@@ -137,11 +137,12 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     wake=self._wakeup.wake)
                 if self.config.enable_save and not self.scheduler.saves:
                     logger.warning(
-                        "PooledMooncakeStoreConnector: store_tp_size=%d is below the TP size "
+                        "PooledMooncakeStoreConnector: %s %d is below the TP size "
                         "%d: a stored object holds KV heads of several ranks, which no rank "
                         "can write alone, so this engine loads from the store but saves "
                         "nothing; set store_tp_size to a multiple of %d to save too",
-                        layout.shards, layout.tp_size, layout.tp_size)
+                        self.config.store_tp_field, layout.shards, layout.tp_size,
+                        layout.tp_size)
                 self._trace(self.scheduler, 0, "scheduler")
                 from connector.worker.worker import shutdown_timeout_warning
 

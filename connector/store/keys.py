@@ -184,14 +184,16 @@ def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
     )
 
 
-def check_disk_tier(layout: Layout, enable_offload: bool) -> None:
+def check_disk_tier(layout: Layout, enable_offload: bool,
+                    store_tp_field: str = "store_tp_size") -> None:
     """Refuse a disk tier where this engine's ranks read slices of stored objects (a store
     shard holds the KV heads of several ranks): Mooncake 0.3.13 serves such ranged gets from
     memory replicas only, and fails them (-600) for an object on disk
-    (tests/store/test_disk_tier_worker.py), so every disk hit would fail."""
+    (tests/store/test_disk_tier_worker.py), so every disk hit would fail. `store_tp_field`:
+    the setting the store TP size comes from."""
     if enable_offload and layout.shards < min(layout.tp_size, layout.num_kv_heads):
         raise ValueError(
-            f"enable_offload: with store_tp_size {layout.shards} below the TP size "
+            f"enable_offload: with {store_tp_field} {layout.shards} below the TP size "
             f"{layout.tp_size} each rank reads a slice of every stored object, which Mooncake "
             "cannot serve from its disk tier; set store_tp_size to a multiple of "
             f"{layout.tp_size}, or serve without the disk tier")
