@@ -64,6 +64,18 @@ def _interior_order(vllm_config: Any) -> tuple[int, ...] | None:
         return None
 
 
+def loads_need_a_fence(vllm_config: Any) -> bool:
+    """Whether vLLM may hand a load a block that a step still on the device writes: batches
+    overlap (async scheduling, pipeline parallelism) and vLLM does not hold freed blocks back
+    a step, which it does only for a KV consumer (kv_consumer, kv_both; vllm/v1/core/sched/
+    scheduler.py, defer_block_free). Then loads wait for the GPU work queued before them
+    (`MooncakeStoreWorker.fence_loads`). Inside a MultiConnector vLLM reads the top-level
+    kv_role, which a member cannot see: docs/migration.md."""
+    ktc = vllm_config.kv_transfer_config
+    return (getattr(vllm_config, "max_concurrent_batches", 1) > 1
+            and not getattr(ktc, "is_kv_consumer", True))
+
+
 def _spec_kinds(kv_cache_config: Any) -> tuple[tuple[str | None, int | None], ...]:
     """Per KV cache group: the spec kind and sliding window vLLM's own events carry."""
     try:
@@ -172,6 +184,7 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             kv_on_host=getattr(vllm_config.device_config, "device_type", "cpu") == "cpu",
             zeroes_blocks=getattr(kv_cache_config, "needs_kv_cache_zeroing", False),
             groups=self.groups, layout_order=_interior_order(vllm_config))
+        self.worker.fence_loads = self.config.enable_load and loads_need_a_fence(vllm_config)
         if tp_size > 1:
             from connector.worker.rank_agreement import tp_any_rank
 

@@ -34,6 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from itertools import compress
 from typing import Any
@@ -112,7 +113,10 @@ class _Job:
     transfer: BlockTransfer
     t_enqueue: float
     trace_parent: Any
-    ready: Any = None  # torch.cuda.Event for saves when the caches are on CUDA
+    # A torch.cuda.Event (caches on CUDA): a save reads its blocks once the forward that
+    # wrote them is done; a fenced load writes its blocks once the work queued before it is
+    # done (`MooncakeStoreWorker.fence_loads`).
+    ready: Any = None
     released: bool = False  # a save: its blocks are no longer needed (guarded by _release_lock)
     t_started: float = 0.0  # when a thread took it (perf_counter; 0: never)
     # A save expired while its thread ran it: the expiry's reason or the thread's account,
@@ -121,6 +125,21 @@ class _Job:
 
 
 REPORTED = object()  # `_Job.late` of a save whose late report went out
+
+
+Touching = Callable[[], AbstractContextManager[bool]]  # `Ticket.touching`
+
+
+def _after(ready: Any, touching: Touching) -> Touching:
+    """`touching`, entered only once `ready` (a CUDA event; None: at once) has completed."""
+    if ready is None:
+        return touching
+
+    def fenced() -> AbstractContextManager[bool]:
+        ready.synchronize()
+        return touching()
+
+    return fenced
 
 
 def step_deadline_s(config: ConnectorConfig) -> float:
@@ -233,6 +252,9 @@ class MooncakeStoreWorker:
         # KV events (observability.kv_events.WorkerLanded.add): (group, hashes) of a save
         # job's blocks whose shards of this rank are in the store, before its request is released.
         self.on_landed: Callable[[int, tuple[bytes, ...]], None] | None = None
+        # Loads wait for the GPU work queued before them (`_load_fence`); the connector sets it
+        # where vLLM hands a freed block to a load while a step in flight may still write it.
+        self.fence_loads = False
 
     def add_subscriber(self, sub: Subscriber) -> None:
         self.events.add(sub)
@@ -428,14 +450,29 @@ class MooncakeStoreWorker:
 
     def _queue_loads(self, transfers: Sequence[BlockTransfer], pool: RecvPool[_Job],
                      now: float) -> set[str]:
-        ctx = self._context()
+        ctx, ready = self._context(), self._load_fence()
         split = self.config.load_split_blocks if pool is self.pool else 0
         parts = [p for t in transfers for p in t.split(split)]
         self.ledger.add_loads(p.req_id for p in parts)
         self.load_clock.queued(Counter(p.req_id for p in parts), now)
         for p in parts:
-            pool.submit(_Job(p, now, ctx))
+            pool.submit(_Job(p, now, ctx, ready))
         return {p.req_id for p in parts}
+
+    def _load_fence(self) -> Any:
+        """A CUDA event after the GPU work queued so far, which loads wait for before they
+        write a block; None where loads need none. vLLM holds a freed block back for a step
+        while batches overlap (async scheduling) only for a KV consumer: elsewhere a block
+        freed by a request that the step still on the GPU writes can go straight to a load,
+        whose write would then race that step's (vllm/v1/core/sched/scheduler.py,
+        defer_block_free)."""
+        if not self.fence_loads or self._regions is None or not self._regions.on_cuda:
+            return None
+        import torch
+
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
 
     def _load_in_step(self, transfers: Sequence[BlockTransfer], peers: Sequence[str]) -> None:
         """Loads of requests this step's forward computes: the step waits for them. A load
@@ -602,11 +639,12 @@ class MooncakeStoreWorker:
         preloaded = None
         want, per = 0, 1
         key_tiers, tiers = None, None
+        touching = _after(job.ready, ticket.touching)
         try:
             plan = self._io[t.group].load
             keys = self._keys.object_keys(t.block_hashes, plan.shards, t.group)
             units = plan.units(t.block_ids)
-            preloaded = self._from_arena(t, keys, units, ticket)
+            preloaded = self._from_arena(t, keys, units, touching)
             if preloaded is not None:
                 results = preloaded
             else:
@@ -621,10 +659,10 @@ class MooncakeStoreWorker:
                     if self.config.tier_metrics:
                         key_tiers = [replica_tier(descriptors.get(k)) for k in keys]
                 if stager:
-                    results = stager.get(client, keys, units, ticket.touching,
-                                         self._disk_chunk, ticket.alive)
+                    results = stager.get(client, keys, units, touching, self._disk_chunk,
+                                         ticket.alive)
                 else:  # zero-copy: the call itself writes into the KV blocks
-                    results = self._get_multi_buffers(client, keys, addrs, plan, ticket)
+                    results = self._get_multi_buffers(client, keys, addrs, plan, touching)
             want, per = plan.block_bytes, plan.pieces
             if not ticket.expired and len(results) != len(keys):
                 raise RuntimeError(f"store returned {len(results)} results for {len(keys)} keys")
@@ -663,7 +701,7 @@ class MooncakeStoreWorker:
             preloaded=preloaded is not None, phases=preloaded is None))
 
     def _from_arena(self, t: BlockTransfer, keys: list[str], units: list[int],
-                    ticket: Ticket[_Job]) -> list[int] | None:
+                    touching: Touching) -> list[int] | None:
         """Per-key results of copying the job's objects from its request's preload into its
         blocks (no store call); None when the preload does not hold them all (the job reads
         the store), [] when the job expired before the copy."""
@@ -674,7 +712,7 @@ class MooncakeStoreWorker:
             return None
         copied = False
         try:
-            with ticket.touching() as ok:
+            with touching() as ok:
                 if ok:
                     self._arena.stager.scatter(units, rows)
                     copied = True
@@ -706,7 +744,7 @@ class MooncakeStoreWorker:
             arena.filled(job.req_id, results)
 
     def _get_multi_buffers(self, client: Any, keys: list[str], addrs: Any, plan: ObjectPlan,
-                           ticket: Ticket[_Job]) -> list[int]:
+                           touching: Touching) -> list[int]:
         """Multi-buffer (or, for a slice of each object, ranged) gets straight into the KV
         blocks: one call, or with a disk tier calls of at most _disk_chunk objects; each
         writes only while the ticket allows it."""
@@ -714,7 +752,7 @@ class MooncakeStoreWorker:
         results: list[int] = []
         for i in range(0, len(keys), step):
             part = [a[i:i + step] for a in addrs]
-            with ticket.touching() as ok:
+            with touching() as ok:
                 if not ok:
                     return results
                 results += (client.batch_get_into_multi_buffers(keys[i:i + step], *part)

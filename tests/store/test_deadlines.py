@@ -516,3 +516,44 @@ def test_shutdown_fails_queued_jobs_fast_and_closes_after_calls(make_worker_on, 
     wait_until(lambda: not any(t.name == "mcpool-close" for t in
                                threading.enumerate()), 40,
                "the client never closed after the stuck call returned")
+
+
+@pytest.mark.parametrize("mode", ["zero_copy", "staged"])
+def test_a_fenced_load_writes_no_block_before_the_work_queued_ahead_of_it(make_worker_on,
+                                                                          cluster, mode,
+                                                                          monkeypatch):
+    """Where vLLM hands a load a block freed by a request that the step still on the GPU
+    writes (a producer under async scheduling: no deferred frees), the load waits for the
+    work queued before it (a CUDA event recorded when it is queued) before it writes a block.
+    A GPU path: the CUDA event is a stand-in that completes when the test says so."""
+    import dataclasses
+
+    master, _ = cluster
+    hs = stored(make_worker_on, master, f"fence-{mode}", n=4)
+    dst = kv_caches(seed=None)
+    w = make_worker_on(master, caches=dst, prefix=f"fence-{mode}",
+                       **(ZERO_COPY if mode == "zero_copy" else STAGED))
+    w._regions = dataclasses.replace(w._regions, on_cuda=True)  # as on a GPU
+    w.fence_loads = True
+    gpu_done = threading.Event()
+
+    class Event:  # torch.cuda.Event's part the worker uses
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            assert gpu_done.wait(20), "the fence never completed"
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    w.start_load(StepMetadata(loads=(BlockTransfer("f", (10, 11, 12, 13), hs),)))
+    time.sleep(1.0)  # the gets are done long before; the writes must wait
+    assert all(not t[:, 10:14].any() for t in dst.values()), "a block written before the fence"
+    assert not (w.get_finished()[1] or set())
+    gpu_done.set()
+    done: set[str] = set()
+    wait_until(lambda: done.update(w.get_finished()[1] or ()) or "f" in done, 20,
+               "the load never finished after the fence")
+    want = kv_caches(seed=5)
+    assert all(torch.equal(dst[n][:, 10:14], want[n][:, :4]) for n in dst), "wrong blocks"
+    w.fence_loads = False  # unfenced, the same load needs no event
+    assert w._load_fence() is None

@@ -241,3 +241,28 @@ def test_block_hashes_stay_the_legacy_ones_with_a_kv_connector():
 
     assert lookahead(None) == 3  # without a connector, this engine hashes lookahead tokens
     assert lookahead(_ktc()) == 0
+
+
+def test_loads_wait_for_the_gpu_where_vllm_does_not_hold_freed_blocks_back():
+    """vLLM defers the reuse of freed blocks while batches overlap for a KV consumer only; a
+    producer's load could land in a block that the step still on the GPU writes, so its loads
+    wait for the work queued before them (tests/store/test_deadlines.py checks the wait)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from connector.connector import loads_need_a_fence
+
+    rule = inspect.getsource(Scheduler.__init__)
+    assert "max_concurrent_batches > 1" in rule and "is_kv_consumer" in rule, \
+        "vLLM's rule for deferred frees changed: check loads_need_a_fence"
+
+    def cfg(role: str, batches: int) -> SimpleNamespace:
+        return SimpleNamespace(max_concurrent_batches=batches, kv_transfer_config=KVTransferConfig(
+            kv_connector="PooledMooncakeStoreConnector", kv_role=role))
+
+    assert loads_need_a_fence(cfg("kv_producer", 2))
+    assert not any(loads_need_a_fence(c) for c in (
+        cfg("kv_both", 2), cfg("kv_consumer", 2), cfg("kv_producer", 1)))
