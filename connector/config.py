@@ -669,6 +669,8 @@ def load_config(
     for src, data in ((CONFIG_PATH_ENV, _load_config_file(path) if path else {}),
                       (EXTRA, extra)):
         for k, v in data.items():
+            if v is None:  # JSON null: not set (the in-tree connector reads it so too)
+                continue
             if k in _IN_TREE_FIELDS:
                 in_tree[k] = (v, f"{src}.{k}")
             else:
@@ -739,6 +741,9 @@ def _translate_in_tree(in_tree: dict[str, tuple[Any, str]], merged: dict[str, An
     for name, (raw, at) in in_tree.items():
         t = _IN_TREE_FIELDS[name]
         if t.answer == REFUSED:
+            if isinstance(raw, bool | str) and str(raw).strip().lower() in ("false", ""):
+                notes.append(f"{at}={raw!r} (in-tree setting, off): nothing to do here")
+                continue
             raise ConfigError(f"{at}: not supported by this connector: {t.how}")
         if t.alias:
             val = _bool(raw, at)
@@ -915,7 +920,8 @@ MIGRATION_DOC = "docs/migration.md"
 def in_tree_table() -> str:
     rows = ["| in-tree setting | where | here | what it does here |", "|---|---|---|---|"]
     for t in IN_TREE:
-        here = {SAME: "same meaning", EQUIVALENT: "accepted", REFUSED: "**refused**"}[t.answer]
+        here = {SAME: "same meaning", EQUIVALENT: "accepted",
+                REFUSED: "**refused** (accepted when off: false or null)"}[t.answer]
         key = BY_NAME.get(t.key)
         what = t.how or (key.doc if key else "")
         if t.answer == SAME and t.key and t.key != t.name:

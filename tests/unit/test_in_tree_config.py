@@ -73,6 +73,15 @@ def test_refused_settings_name_the_setting_and_the_way_out(t):
     msg = str(e.value)
     assert msg.startswith(f"kv_connector_extra_config.{t.name}: not supported") and \
         t.how in msg and "\n" not in msg
+    # Off, as the in-tree connector reads false or null, it asks for nothing: accepted.
+    for off in (False, "False", None):
+        assert load_config({**BASE, t.name: off}, {}).store == load_config(BASE, {}).store
+
+
+def test_a_null_value_is_not_set():
+    """JSON null reads as unset, as the in-tree connector reads it (store_tp_size: null)."""
+    assert load_config({**BASE, "store_tp_size": None, "tenant_id": None}, {}) == \
+        load_config(BASE, {})
 
 
 # One typical value of each accepted in-tree setting, as the usage doc writes it.
