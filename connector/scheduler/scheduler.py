@@ -519,6 +519,8 @@ class MooncakeStoreScheduler:
             self._step_loads.observe(times)
             self.clock.worker_times(times)
         for rid in output.finished_recving or ():
+            if rid not in self._loading:
+                continue  # another MultiConnector member's load: this one's hit stands
             self._loading.discard(rid)
             # A request comes back to the lookup only if its load failed and vLLM recomputes
             # it: answer "nothing more in the store" so it is never re-loaded in a loop.

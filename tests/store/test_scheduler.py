@@ -179,6 +179,19 @@ def test_failed_load_is_not_retried(sched, store_client):
     assert ask(sched, req) == (0, False)
 
 
+def test_another_members_finished_load_leaves_this_ones_hit(sched, store_client):
+    """In a MultiConnector vLLM hands every member the finished loads of all: another
+    member's load of a request (its P/D transfer, failed) must not erase this connector's
+    store hit, which vLLM asks for again when it recomputes."""
+    hs = hashes("other-member", 4)
+    store_blocks(store_client, sched, hs)
+    req = request("o", hs, 4 * BS + 1)
+    assert ask(sched, req) == (4 * BS, True)
+    sched.update_state_after_alloc(req, blocks([]), 0)  # another member's hit was taken
+    sched.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving={"o"}))
+    assert ask(sched, req) == (4 * BS, True)
+
+
 def step_output(new=(), num_scheduled=None):
     return SimpleNamespace(
         preempted_req_ids=set(), scheduled_new_reqs=list(new),
