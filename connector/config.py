@@ -34,6 +34,7 @@ CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 EXTRA = "kv_connector_extra_config"
 MAX_RECV_THREADS = 64
 ETCD_SCHEME = "etcd://"
+PORT_RE = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
 # The Mooncake client reads the HA cluster id from this variable (default "mooncake_cluster",
 # as the masters' --cluster_id); the connector exports cluster_id there when it is unset.
 CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"
@@ -294,7 +295,7 @@ KEYS: tuple[Key, ...] = (
         "one gone); 0: removals only from lookups that miss an announced block", lo=0,
         hi=3600),
     Key("kv_events_master_http", "text", "", "`host:port` of the master's metrics/admin HTTP "
-        "port (`--metrics_port`) for the sweeps", pattern=r"[^\s:/]+:[0-9]{1,5}",
+        "port (`--metrics_port`) for the sweeps", pattern=r"[^\s:/]+:" + PORT_RE,
         fix="the master's host:port of --metrics_port, e.g. 10.0.0.5:9003",
         shown="the host of `master_server_address`, port 9003 (Mooncake's default)"),
     # A 128K-token prompt at block size 16 is 8,192 blocks: the default takes several such

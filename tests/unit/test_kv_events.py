@@ -464,7 +464,8 @@ def test_broken_combinations_name_the_field(extra, kec, field):
 @pytest.mark.parametrize("key, value", [
     ("kv_events", "sometimes"), ("kv_events_locality", "nearby"), ("kv_events_medium", "a b"),
     ("kv_events_sweep_s", -1), ("kv_events_queue", 3), ("kv_events_max_live", "many"),
-    ("kv_events_master_http", "http://m:9003/"),
+    ("kv_events_master_http", "http://m:9003/"), ("kv_events_master_http", "m:99999"),
+    ("kv_events_master_http", "m:0"),
 ])
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(ConfigError) as e:
