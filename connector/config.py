@@ -608,8 +608,9 @@ def _local_hostname(master: str, environ: Mapping[str, str]) -> str:
     ep = master.removeprefix(ETCD_SCHEME)
     host, _, port = re.split(r"[,;]", ep)[0].strip().rpartition(":")
     try:  # a UDP connect sends nothing: it only picks the route
-        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), int(port),
-                                                   type=socket.SOCK_DGRAM)[0]
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)
+        # IPv4 first, as vLLM's get_ip: /etc/hosts often lists localhost as ::1 first
+        family, _, _, _, addr = min(infos, key=lambda i: i[0] != socket.AF_INET)
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(addr)
             return s.getsockname()[0]
@@ -742,7 +743,7 @@ def _translate_in_tree(in_tree: dict[str, tuple[Any, str]], merged: dict[str, An
     for name, (raw, at) in in_tree.items():
         t = _IN_TREE_FIELDS[name]
         if t.answer == REFUSED:
-            if isinstance(raw, bool | str) and str(raw).strip().lower() in ("false", ""):
+            if str(raw).strip().lower() in ("false", "", "0", "no", "off"):
                 notes.append(f"{at}={raw!r} (in-tree setting, off): nothing to do here")
                 continue
             raise ConfigError(f"{at}: not supported by this connector: {t.how}")
@@ -922,7 +923,7 @@ def in_tree_table() -> str:
     rows = ["| in-tree setting | where | here | what it does here |", "|---|---|---|---|"]
     for t in IN_TREE:
         here = {SAME: "same meaning", EQUIVALENT: "accepted",
-                REFUSED: "**refused** (accepted when off: false or null)"}[t.answer]
+                REFUSED: "**refused** (accepted when off: false, 0 or null)"}[t.answer]
         key = BY_NAME.get(t.key)
         what = t.how or (key.doc if key else "")
         if t.answer == SAME and t.key and t.key != t.name:

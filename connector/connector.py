@@ -33,7 +33,7 @@ from connector.plugin import register
 from connector.scheduler.load_failures import apply_policy, per_request
 from connector.store.client import StoreUnavailable
 from connector.store.groups import GroupError, groups_from_kv_cache_config
-from connector.store.keys import KeyBuilder, check_disk_tier, layout_from_vllm
+from connector.store.keys import KeyBuilder, check_disk_tier, layout_from_vllm, store_tp_advice
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -152,9 +152,9 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
                         "PooledMooncakeStoreConnector: %s %d is below the TP size "
                         "%d: a stored object holds KV heads of several ranks, which no rank "
                         "can write alone, so this engine loads from the store but saves "
-                        "nothing; set store_tp_size to a multiple of %d to save too",
-                        self.config.store_tp_field, layout.shards, layout.tp_size,
-                        layout.tp_size)
+                        "nothing; %s to save too", self.config.store_tp_field, layout.shards,
+                        layout.tp_size, store_tp_advice(self.config.store_tp_field,
+                                                        layout.tp_size))
                 self._trace(self.scheduler, 0, "scheduler")
                 from connector.worker.worker import shutdown_timeout_warning
 

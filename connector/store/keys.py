@@ -195,8 +195,15 @@ def check_disk_tier(layout: Layout, enable_offload: bool,
         raise ValueError(
             f"enable_offload: with {store_tp_field} {layout.shards} below the TP size "
             f"{layout.tp_size} each rank reads a slice of every stored object, which Mooncake "
-            "cannot serve from its disk tier; set store_tp_size to a multiple of "
-            f"{layout.tp_size}, or serve without the disk tier")
+            f"cannot serve from its disk tier; {store_tp_advice(store_tp_field, layout.tp_size)}"
+            ", or serve without the disk tier")
+
+
+def store_tp_advice(store_tp_field: str, n: int) -> str:
+    """How to make the store TP size a multiple of `n`, by the setting it comes from."""
+    if store_tp_field == "store_tp_size":
+        return f"set store_tp_size to a multiple of {n}"
+    return f"choose prefill_tp_sizes whose least common multiple is a multiple of {n}"
 
 
 def check_store_tp_size(store_tp_size: int | None, heads: int, tp_size: int = 1,

@@ -239,6 +239,7 @@ class MooncakeStoreWorker:
         # sets vLLM's TP group at TP > 1.
         self.any_rank: AnyRank = lone_rank
         self._early_start = config.load_early_start and not zeroes_blocks
+        self._zeroes_blocks = zeroes_blocks
         self._early_meta: StepMetadata | None = None  # whose async loads begin_step queued
         self.load_clock = LoadClock()  # where a store hit's TTFT goes (ttft)
         self.events = Publisher(self.recorder, self.load_clock)
@@ -465,8 +466,10 @@ class MooncakeStoreWorker:
         while batches overlap (async scheduling) only for a KV consumer: elsewhere a block
         freed by a request that the step still on the GPU writes can go straight to a load,
         whose write would then race that step's (vllm/v1/core/sched/scheduler.py,
-        defer_block_free)."""
-        if not self.fence_loads or self._regions is None or not self._regions.on_cuda:
+        defer_block_free). And where vLLM zeroes new blocks, it queues the zeroing on the
+        GPU before the step's loads start: a load's write that landed first would be zeroed."""
+        if not (self.fence_loads or self._zeroes_blocks) or self._regions is None \
+                or not self._regions.on_cuda:
             return None
         import torch
 

@@ -523,8 +523,9 @@ def test_a_fenced_load_writes_no_block_before_the_work_queued_ahead_of_it(make_w
                                                                           cluster, mode,
                                                                           monkeypatch):
     """Where vLLM hands a load a block freed by a request that the step still on the GPU
-    writes (a producer under async scheduling: no deferred frees), the load waits for the
-    work queued before it (a CUDA event recorded when it is queued) before it writes a block.
+    writes (a producer under async scheduling: no deferred frees), or zeroes new blocks on the
+    GPU before the step's loads start, the load waits for the work queued before it (a CUDA
+    event recorded when it is queued) before it writes a block.
     A GPU path: the CUDA event is a stand-in that completes when the test says so."""
     import dataclasses
 
@@ -557,3 +558,5 @@ def test_a_fenced_load_writes_no_block_before_the_work_queued_ahead_of_it(make_w
     assert all(torch.equal(dst[n][:, 10:14], want[n][:, :4]) for n in dst), "wrong blocks"
     w.fence_loads = False  # unfenced, the same load needs no event
     assert w._load_fence() is None
+    w._zeroes_blocks = True  # vLLM zeroes new blocks on the GPU before the step's loads
+    assert isinstance(w._load_fence(), Event)

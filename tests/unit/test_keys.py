@@ -185,7 +185,9 @@ def test_a_disk_tier_is_refused_where_ranks_read_slices():
                                          r"size 2 .*set store_tp_size to a multiple of 2"):
         check_disk_tier(slices, True)
     check_disk_tier(slices, False)
-    with pytest.raises(ValueError, match=r"^enable_offload: with prefill_tp_sizes \(least "):
+    with pytest.raises(ValueError, match=r"^enable_offload: with prefill_tp_sizes \(least .*"
+                                         r"choose prefill_tp_sizes whose least common multiple "
+                                         r"is a multiple of 2"):
         check_disk_tier(slices, True, "prefill_tp_sizes (least common multiple of [1])")
     for whole in (dataclasses.replace(BASE, tp_size=2, store_tp_size=2),
                   dataclasses.replace(BASE, tp_size=1, store_tp_size=2),
