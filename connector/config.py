@@ -428,7 +428,7 @@ def _int_in_range(value: Any, field_name: str, lo: int, hi: int, fix: str) -> in
 
 
 def _number(value: Any, field_name: str, lo: float, hi: float) -> float:
-    if isinstance(value, str) and re.match(r"^\s*\d+(\.\d*)?\s*$", value):  # an env variable
+    if isinstance(value, str) and re.match(r"^\s*(\d+(\.\d*)?|\.\d+)\s*$", value):  # env
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{field_name}: expected a number in [{lo}, {hi}], got {value!r}")
@@ -657,7 +657,9 @@ def load_config(
     """Build the connector config from vLLM's extra_config, the MOONCAKE_CONFIG_PATH file and
     the environment; in-tree settings are translated or refused as `IN_TREE` says. `kv_role`
     is the kv-transfer-config's (None: kv_both)."""
-    environ = os.environ if environ is None else environ
+    # An empty variable is unset, as vLLM and the in-tree connector read most of theirs.
+    environ = {k: v for k, v in (os.environ if environ is None else environ).items()
+               if v.strip()}
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(EXTRA_KEYS) - set(_IN_TREE_FIELDS))
     if unknown:

@@ -179,3 +179,13 @@ def test_local_hostname_by_default_is_this_nodes_address_toward_the_master():
     assert load_config(remote, {"VLLM_HOST_IP": "10.0.0.5"}).store.local_hostname == "10.0.0.5"
     assert load_config({**remote, "local_hostname": "10.0.0.6"},
                        {"VLLM_HOST_IP": "10.0.0.5"}).store.local_hostname == "10.0.0.6"
+
+
+def test_an_empty_variable_is_unset_and_a_ratio_may_start_with_its_point():
+    """As vLLM and the in-tree connector read them: an empty variable is unset (an empty
+    MOONCAKE_REQUESTER_LOCAL_HOSTNAME falls back to the default), and .5 is a number."""
+    plain = load_config(BASE, {})
+    assert load_config(BASE, {"MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "",
+                              "VLLM_MOONCAKE_STORE_TIER_LOG": " "}) == plain
+    assert load_config(BASE, {"VLLM_MOONCAKE_DISK_STAGING_USABLE_RATIO": ".5"}
+                       ).disk_staging_usable_ratio == 0.5
