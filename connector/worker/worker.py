@@ -202,8 +202,6 @@ class MooncakeStoreWorker:
             on_probe_error=lambda: self.recorder.count("master_probe_errors", tp_rank))
         self.ledger = RequestLedger()
         self._release_lock = threading.Lock()
-        # Saves expired while their thread ran them, waiting for its account (by id).
-        self._late_waiting: dict[int, _Job] = {}
         self._saves_failing = False  # the last save ended in a store error
         self._shutdown_lost = 0  # store keys of saves failed at shutdown (logged there)
         # In-step loads (connector.scheduler.step_loads) run on a thread of their own, labelled
@@ -910,10 +908,6 @@ class MooncakeStoreWorker:
         with self._release_lock:
             first = job.late
             job.late = got if first is None else REPORTED
-            if first is None and isinstance(got, str):
-                self._late_waiting[id(job)] = job
-            else:
-                self._late_waiting.pop(id(job), None)
         if first is None or first is REPORTED:
             return
         event, reason = (got, first) if isinstance(got, SaveEvent) else (first, got)
@@ -924,14 +918,14 @@ class MooncakeStoreWorker:
     def _settle_saves_in_calls(self) -> int:
         """At shutdown, once the pools gave their calls `SHUTDOWN_WAIT_S`: saves whose calls
         have not returned are reported lost, as the process may exit before they do; those
-        past their deadline with their expiry's reason, the others as "shutdown" (one whose
-        expiry is not reported yet included). Their threads, and expiries, report nothing more
+        past their deadline with their expiry's reason (`late`), the others as "shutdown" (one
+        whose expiry is not reported yet included). One whose thread gave its account already
+        is its expiry's to report. Their threads, and expiries, report nothing more
         (`REPORTED`). Returns their keys."""
-        running = self.save_pool.running()
+        running = self.save_pool.running()  # expired ones included: their threads are out
         with self._release_lock:
-            lost = [(job, str(job.late)) for job in self._late_waiting.values()]
-            self._late_waiting.clear()
-            lost += [(job, SHUTDOWN) for job in running if job.late is None]
+            lost = [(job, SHUTDOWN if job.late is None else job.late) for job in running
+                    if job.late is None or isinstance(job.late, str)]
             for job, _ in lost:
                 job.late = REPORTED
         for job, reason in lost:
