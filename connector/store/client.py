@@ -256,12 +256,15 @@ def check_reachable(cfg: StoreConfig, timeout: float) -> str:
     elif bare and all(map(_is_host_port, bare)):
         # No scheme: etcd endpoints to Mooncake. Pointed at the master's HTTP metadata
         # server instead, setup() talks etcd to it for minutes holding the GIL, then fails
-        # naming master_server_address. Refused only when none is etcd and one answers HTTP
-        # as something else.
-        answers = {ep: _not_etcd(ep, timeout) for ep in bare}
-        other = {ep: a for ep, a in answers.items() if a is not None}
-        if len(other) == len(bare):
-            ep, what = next(iter(other.items()))
+        # naming master_server_address. Refused only when every endpoint answers HTTP as
+        # something other than etcd (asked in turn until one may be etcd).
+        other = []
+        for ep in bare:
+            if (what := _not_etcd(ep, timeout)) is None:
+                break
+            other.append((ep, what))
+        else:
+            ep, what = other[0]
             raise StoreUnavailable(
                 f"metadata_server: {md} has no scheme, which Mooncake reads as etcd "
                 f"endpoints, but {ep} answers GET /version with {what}, as etcd does not; "
