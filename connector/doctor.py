@@ -22,7 +22,6 @@ import socket
 import sys
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -36,6 +35,7 @@ from connector.config import (
     load_config,
 )
 from connector.store.client import (
+    DIRECT_HTTP,
     ERROR_NAMES,
     StoreUnavailable,
     check_reachable,
@@ -131,7 +131,7 @@ def check_segments(ctx: Context) -> str:
     host = ctx.master.rsplit(":", 1)[0]
     url = f"http://{host}:{ctx.metrics_port}/get_segments_detail"
     try:
-        with urllib.request.urlopen(url, timeout=ctx.wait) as r:
+        with DIRECT_HTTP.open(url, timeout=ctx.wait) as r:
             ctx.segments = json.loads(r.read()).get("segments") or []
     except (OSError, ValueError) as e:
         raise CheckFailed(f"cannot read the mounted segments from {url} ({e})",
@@ -171,7 +171,7 @@ def _admin(ctx: Context, path: str) -> tuple[int, bytes]:
     host = ctx.master.rsplit(":", 1)[0]
     url = f"http://{host}:{ctx.metrics_port}{path}"
     try:
-        with urllib.request.urlopen(url, timeout=ctx.wait) as r:
+        with DIRECT_HTTP.open(url, timeout=ctx.wait) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()

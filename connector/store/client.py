@@ -167,13 +167,19 @@ def etcd_leader(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     return "", f"no etcd endpoint of {cfg.master_server_address} answers: {'; '.join(errors)}"
 
 
+# HTTP to etcd and to the master goes to them directly, as Mooncake's own etcd client and this
+# connector's reads of the master (store/master_http.py) do: an `http_proxy` in a pod's
+# environment (for its downloads) must not route them elsewhere, or nowhere.
+DIRECT_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _read_master_view(cfg: StoreConfig, ep: str, timeout: float) -> str:
     """The leader etcd endpoint `ep` names ("" while none); OSError when it does not answer,
     EtcdGarbage when it answers with something else."""
     key = base64.b64encode(f"mooncake-store/{cluster_id(cfg)}/master_view".encode()).decode()
     req = urllib.request.Request(f"http://{ep}/v3/kv/range", data=json.dumps({"key": key}).encode())
     try:  # etcd's JSON gateway: no etcd client library needed
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with DIRECT_HTTP.open(req, timeout=timeout) as r:
             body = r.read()
     except http.client.HTTPException as e:  # BadStatusLine, IncompleteRead, ...
         raise EtcdGarbage(f"master_server_address: etcd {ep} answered a read of the master "
@@ -215,8 +221,6 @@ def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     return leader, (f"{what} is unreachable ({err})" if err else None)
 
 
-# Probes of etcd go to it directly: Mooncake's own etcd client does not use an HTTP proxy.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _not_etcd(ep: str, timeout: float) -> str | None:
@@ -224,7 +228,7 @@ def _not_etcd(ep: str, timeout: float) -> str | None:
     server); None for etcd, and for no HTTP answer at all (nothing there, or a gRPC-only
     etcd), which this check leaves to Mooncake."""
     try:
-        with _DIRECT.open(f"http://{ep}/version", timeout=timeout) as r:
+        with DIRECT_HTTP.open(f"http://{ep}/version", timeout=timeout) as r:
             body = r.read(256)
     except urllib.error.HTTPError as e:
         return f"HTTP {e.code}"

@@ -21,7 +21,7 @@ from connector.store.client import (
     replicate_config,
 )
 from devkit.ha_cluster import HaCluster
-from devkit.local_cluster import MooncakeMaster
+from devkit.local_cluster import MooncakeMaster, free_port
 from tests.client_kit import CallRecorder
 from tests.conftest import ha_group
 
@@ -245,7 +245,9 @@ def test_the_leader_is_read_from_the_first_etcd_member_that_answers(ha_etcd, mon
     """An etcd member that accepts connections but never answers (frozen, or cut off from the
     others in the very failure that moves the master) listed first: the leader is read from
     the next member. Before, only the first member that accepted a connection was asked, so
-    neither startup nor the breaker's probe could find the master while it hung."""
+    neither startup nor the breaker's probe could find the master while it hung. And the
+    read goes to etcd directly, not through the pod's HTTP proxy (here a dead one): before,
+    an `http_proxy` set for downloads hid the leader."""
     import base64
     import json
     import socket
@@ -261,6 +263,8 @@ def test_the_leader_is_read_from_the_first_etcd_member_that_answers(ha_etcd, mon
             "value": base64.b64encode(b"127.0.0.1:4242").decode()}
     urllib.request.urlopen(urllib.request.Request(
         f"http://{etcd.endpoint}/v3/kv/put", data=json.dumps(view).encode()), timeout=10).read()
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen reads the env afresh
     silent = socket.socket()
     try:
         silent.bind(("127.0.0.1", 0))
