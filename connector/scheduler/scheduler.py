@@ -391,30 +391,31 @@ class MooncakeStoreScheduler:
     def build_connector_meta(self, so: Any) -> StepMetadata:
         saves: list[BlockTransfer] = []
         preempted = tuple(so.preempted_req_ids or ())
+        cached = so.scheduled_cached_reqs
+        # vLLM also preempts outside a step (reset_prefix_cache with reset_running_requests)
+        # and admits those requests again in the next one, which lists them as preempted and
+        # scheduled: the state that admission made (lookup, allocation) is theirs now.
+        again = {new.req_id for new in so.scheduled_new_reqs} | set(cached.resumed_req_ids)
         for rid in preempted:
-            self._tracked.pop(rid, None)
-            self._hits.pop(rid, None)
-            self._seen.pop(rid, None)
-            self.clock.forget(rid)
             self._unpin(rid)  # handle_preemptions waits for its saves before the next forward
+            self.clock.forget(rid)
+            if rid not in again:
+                self._tracked.pop(rid, None)
+                self._hits.pop(rid, None)
+                self._seen.pop(rid, None)
         for new in so.scheduled_new_reqs:
             tr = self._tracked.get(new.req_id)
             if tr is not None:
-                tr.block_ids = [list(ids) for ids in new.block_ids]
-                # A load that failed past a valid prefix: vLLM recomputes from there, and
-                # what the store lost goes back to it (blocks it still holds are skipped).
-                bs = self._block_size
-                tr.saved_upto = min(tr.saved_upto, new.num_computed_tokens // bs * bs)
+                self._admitted(tr, new.block_ids, new.num_computed_tokens)
                 self._plan_save(tr, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
                                 saves)
-        cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             tr = self._tracked.get(rid)
             if tr is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                tr.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
+                self._admitted(tr, new_ids or (), cached.num_computed_tokens[i])
             elif new_ids is not None:
                 for have, ids in zip(tr.block_ids, new_ids, strict=True):
                     have.extend(ids)
@@ -437,6 +438,14 @@ class MooncakeStoreScheduler:
         self._sync_loads.clear()
         self._free_after.clear()
         return meta
+
+    def _admitted(self, tr: _Tracked, block_ids: Sequence[Sequence[int]], computed: int) -> None:
+        """A request scheduled new or resumed, on blocks `block_ids` from `computed` tokens. A
+        load that failed past a valid prefix, or a preemption, left it to recompute from
+        there: what it computes goes to the store again (blocks it still holds are skipped)."""
+        tr.block_ids = [list(ids) for ids in block_ids]
+        bs = self._block_size
+        tr.saved_upto = min(tr.saved_upto, computed // bs * bs)
 
     def _plan_save(self, tr: _Tracked, computed: int, saves: list[BlockTransfer]) -> None:
         req = tr.request

@@ -192,22 +192,42 @@ def test_another_members_finished_load_leaves_this_ones_hit(sched, store_client)
     assert ask(sched, req) == (4 * BS, True)
 
 
-def step_output(new=(), num_scheduled=None):
+def step_output(new=(), num_scheduled=None, resumed=(), preempted=()):
+    """A SchedulerOutput: `new` requests, and `resumed` ones as vLLM's V1 model runner gets a
+    request preempted before ((req_id, block_ids, num_computed_tokens) each)."""
     return SimpleNamespace(
-        preempted_req_ids=set(), scheduled_new_reqs=list(new),
+        preempted_req_ids=set(preempted), scheduled_new_reqs=list(new),
         num_scheduled_tokens=num_scheduled or {},
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
-                                              new_block_ids=[], num_computed_tokens=[]))
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in resumed], resumed_req_ids={r for r, _, _ in resumed},
+            new_block_ids=[ids for _, ids, _ in resumed],
+            num_computed_tokens=[n for _, _, n in resumed]))
 
 
+def scheduled(rid: str, ids: list[int], computed: int, num_scheduled: int, resumed: bool,
+              preempted: tuple[str, ...] = ()) -> SimpleNamespace:
+    """A step scheduling request `rid` on blocks `ids` from `computed` tokens: as a new request,
+    or as a resumed one (a request preempted before, on vLLM's V1 model runner; its V2 runner
+    lists those as new)."""
+    if resumed:
+        return step_output(num_scheduled={rid: num_scheduled}, resumed=[(rid, (ids,), computed)],
+                           preempted=preempted)
+    return step_output([SimpleNamespace(req_id=rid, block_ids=(ids,),
+                                        num_computed_tokens=computed)],
+                       {rid: num_scheduled}, preempted=preempted)
+
+
+@pytest.mark.parametrize("resumed", [False, True])
 @pytest.mark.parametrize("valid", [0, 2])
-def test_blocks_a_failed_load_left_to_recompute_are_saved_again(sched, store_client, valid):
+def test_blocks_a_failed_load_left_to_recompute_are_saved_again(sched, store_client, valid,
+                                                                 resumed):
     """An async load fails past its first `valid` blocks (evicted since the lookup): vLLM
     recomputes from there, and those blocks go back to the store. With none valid vLLM frees
     the blocks and asks again (the answer: nothing); else it schedules the request from the
-    valid prefix. Before, the save began where the hit ended, so the store never got back
-    what it had lost."""
-    hs = hashes(f"reload-{valid}", 4)
+    valid prefix: as a new request, or a resumed one where it was preempted before (V1
+    model runner). Before, the save began where the hit ended, so the store never got back
+    what it had lost (for a resumed request, until this stop's fix)."""
+    hs = hashes(f"reload-{valid}-{resumed}", 4)
     store_blocks(store_client, sched, hs)
     req = request("f", hs, 4 * BS + 5)
     assert ask(sched, req) == (4 * BS, True)
@@ -220,11 +240,34 @@ def test_blocks_a_failed_load_left_to_recompute_are_saved_again(sched, store_cli
         assert ask(sched, req) == (0, False)
         ids = [20, 21, 22, 23, 24]
         sched.update_state_after_alloc(req, blocks(ids), 0)
-    meta = sched.build_connector_meta(step_output(
-        [SimpleNamespace(req_id="f", block_ids=(ids,), num_computed_tokens=valid * BS)],
-        {"f": (4 - valid) * BS + 5}))
+    meta = sched.build_connector_meta(scheduled("f", ids, valid * BS, (4 - valid) * BS + 5,
+                                                resumed))
     assert [(t.req_id, t.block_ids, t.block_hashes) for t in meta.saves] == [
         ("f", tuple(ids[valid:4]), hs[valid:4])]
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_request_preempted_by_a_cache_reset_and_admitted_again_at_once_saves(
+        sched, store_client, resumed):
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts every running request
+    outside a step and admits them again in the very next one, whose output lists each as
+    preempted and as scheduled: that step's admission (lookup and allocation) is kept, and
+    what the request computes from then on is saved. Before, the preemption dropped it, and
+    the request saved nothing more in its life."""
+    hs = hashes(f"reset-{resumed}", 4)
+    req = request("z", hs, 4 * BS + 5)
+    assert ask(sched, req) == (0, False)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
+    first = sched.build_connector_meta(scheduled("z", [1, 2, 3, 4, 5], 0, 2 * BS, False))
+    assert [(t.block_ids, t.block_hashes) for t in first.saves] == [((1, 2), hs[:2])]
+    # The reset: preempted, its blocks freed; the next step asks and allocates again.
+    assert ask(sched, req) == (0, False)
+    ids = [11, 12, 13, 14, 15]
+    sched.update_state_after_alloc(req, blocks(ids), 0)
+    meta = sched.build_connector_meta(scheduled("z", ids, 0, 4 * BS + 5, resumed,
+                                                preempted=("z",)))
+    assert meta.preempted == ("z",)
+    assert [(t.block_ids, t.block_hashes) for t in meta.saves] == [(tuple(ids[:4]), hs)]
 
 
 def test_blocks_held_while_loading_or_saved(sched, store_client):
