@@ -541,7 +541,10 @@ class StoreEventLog:
         the live blocks leave: silently where vLLM's `AllBlocksCleared` for this reset is
         queued (`routers_cleared`: routers empty every tier of the engine on it, and a removal
         after it would name a block they no longer hold), else each announced removed, as
-        many as the queue takes now and the rest at the next `take`s."""
+        many as the queue takes now and the rest at the next `take`s. With
+        `routers_cleared`, the queued events go too: vLLM publishes them after its
+        `AllBlocksCleared`, so an announcement among them would credit this engine with a
+        block it never withdraws."""
         with self._lock:
             self._withdrawn = True
             self._planned.clear()
@@ -549,6 +552,8 @@ class StoreEventLog:
             self._plans.clear()
             self._repeat.clear()
             if routers_cleared:
+                self._queue.clear()
+                self._queued_blocks = 0
                 self._drop_live()
                 return
             self._trim()

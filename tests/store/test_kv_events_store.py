@@ -351,13 +351,25 @@ def test_a_connector_cache_reset_stops_the_store_and_withdraws_every_block(route
     and saving (the store's blocks may be another weight version's; shared, it is not wiped)
     and withdraws every block it announced: each announced removed, or, where vLLM's
     AllBlocksCleared for the reset is queued, dropped silently (a removal after it would name
-    a block routers no longer hold). None is announced again after an AllBlocksCleared."""
+    a block routers no longer hold). None is announced again after an AllBlocksCleared, nor
+    one whose announcement was still queued (vLLM publishes the connector's events after its
+    own: before, such a block was credited to the engine until it restarted)."""
     with engine_side() as (_master, client, sched, log, counts):
         req = request(f"reset-{routers_cleared}", 3)
         keys = announce(log, client, sched, req)
+        queued = request(f"queued-{routers_cleared}", 2)  # landed, its event not taken yet
+        assert put(client, sched._keys.all_shard_keys(queued.block_hashes, 0)) == [0, 0]
+        log.planned(queued, range(2), 0)
+        log.landed([(0, 0, tuple(queued.block_hashes))])
         assert sched.forget_store(routers_cleared) is True
-        want = set() if routers_cleared else {external_hash(h) for h in req.block_hashes}
-        assert removed_hashes(log.take()) == want
+        events = log.take()
+        both = {external_hash(h) for h in req.block_hashes + queued.block_hashes}
+        assert removed_hashes(events) == (set() if routers_cleared else both)
+        stored = [(e.block_hashes, e.parent_block_hash) for e in events
+                  if isinstance(e, BlockStored)]
+        assert stored == ([] if routers_cleared else
+                          [([external_hash(h) for h in queued.block_hashes], None)])
+        want = set() if routers_cleared else both
         assert counts[("kv_events_removals", "reset")] == len(want) and not log.live()
         log.cleared()  # vLLM's own prefix cache reset: nothing to announce again
         assert log.take() == []
