@@ -291,15 +291,15 @@ def open_store(cfg: StoreConfig, global_segment_size: int, local_buffer_size: in
     serves it (the HA leader for an etcd:// address)."""
     master = check_reachable(cfg, timeout)
     if cfg.cluster_id:  # the client reads it from the environment (load_config checked both)
-        os.environ.setdefault(CLUSTER_ID_ENV, cfg.cluster_id)
+        _export(CLUSTER_ID_ENV, cfg.cluster_id)
     apply_transfer_timeout(cfg.transfer_timeout)
     if cfg.ha:
         # Unless transfer_timeout or the environment set them: bound one master RPC by
         # store_timeout_s (with Mooncake's 30 s a call in flight to a partitioned leader held
         # its job that long) and a reconnect by 1 s (with 30 s, the call after a timeout
         # blocked ~90 s reconnecting to the unreachable old leader).
-        os.environ.setdefault(RPC_TIMEOUT_ENV, str(int(timeout * 1000)))
-        os.environ.setdefault(RPC_CONNECT_TIMEOUT_ENV, str(int(min(timeout, 1.0) * 1000)))
+        _export(RPC_TIMEOUT_ENV, str(int(timeout * 1000)))
+        _export(RPC_CONNECT_TIMEOUT_ENV, str(int(min(timeout, 1.0) * 1000)))
     from mooncake.store import MooncakeDistributedStore  # heavy; worker/scheduler only
 
     store = MooncakeDistributedStore()
@@ -334,7 +334,15 @@ def apply_transfer_timeout(seconds: float | None) -> None:
     if seconds is None:
         return
     for var, per_second in TIMEOUT_ENV.items():
-        os.environ.setdefault(var, str(max(1, round(seconds * per_second))))
+        _export(var, str(max(1, round(seconds * per_second))))
+
+
+def _export(var: str, value: str) -> None:
+    """Give Mooncake `var` unless the environment sets it. Blank is unset, as `load_config`
+    reads every variable: Mooncake reads a blank MC_STORE_CLUSTER_ID as its default cluster
+    id, not the configured one."""
+    if not os.environ.get(var, "").strip():
+        os.environ[var] = value
 
 
 def replicate_config(replica_num: int, preferred_segment: str = "") -> Any:
