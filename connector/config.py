@@ -575,12 +575,13 @@ def _host_port(value: str, field_name: str) -> str:
 
 
 def etcd_endpoints(url: str, field_name: str) -> list[str]:
-    """The host:port list of an ``etcd://h1:p1[,h2:p2]`` address (`;` separates too, as in
-    the masters' --etcd_endpoints)."""
-    eps = [e.strip() for e in re.split(r"[,;]", url[len(ETCD_SCHEME):])]
-    if not all(re.match(r"^[^:\s,;/]+:\d{1,5}$", e) for e in eps):
+    """The host:port list of an ``etcd://h1:p1[,h2:p2]`` address, or of one without the scheme
+    (Mooncake reads a metadata_server without one as etcd endpoints); `;` separates too, as in
+    the masters' --etcd_endpoints."""
+    eps = [e.strip() for e in re.split(r"[,;]", url.removeprefix(ETCD_SCHEME))]
+    if not all(re.match(rf"^[^:\s,;/]+:{PORT_RE}$", e) for e in eps):
         raise ConfigError(f"{field_name}: expected etcd://host:port[,host:port] (the etcd "
-                          f"endpoints of the HA masters), got {url!r}")
+                          f"endpoints of the HA masters, ports 1..65535), got {url!r}")
     return eps
 
 
@@ -639,14 +640,23 @@ def _cluster_id(cid: str, field_name: str, master: str, environ: Mapping[str, st
 
 
 def _metadata_url(value: str, field_name: str) -> str:
-    if value.startswith(ETCD_SCHEME):
+    """etcd endpoints (with the scheme or without: Mooncake reads both as etcd), or a URL. An
+    HTTP one is asked at its path (`<url>?key=...`): without one Mooncake's puts of the
+    segment descriptors got 404, and setup failed naming master_server_address."""
+    if value.startswith(ETCD_SCHEME) or ("://" not in value and ":" in value):
         etcd_endpoints(value, field_name)
         return value
     url = urllib.parse.urlparse(value)
     try:
-        url.port  # noqa: B018 - raises on a port outside 0..65535
+        port = url.port  # raises on a port outside 0..65535
     except ValueError:
-        raise ConfigError(f"{field_name}: port out of range 1..65535 in {value!r}") from None
+        port = 0
+    if port == 0:
+        raise ConfigError(f"{field_name}: port out of range 1..65535 in {value!r}")
+    if url.scheme in ("http", "https") and not url.path:
+        raise ConfigError(f"{field_name}: {value!r} has no path, where an HTTP metadata server "
+                          f"answers; write {value}/metadata for the master's "
+                          "(--enable_http_metadata_server)")
     return value
 
 

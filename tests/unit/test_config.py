@@ -89,9 +89,27 @@ def test_staging_buffer_is_bounded():
     ({"master_server_address": "127.0.0.1:65536"}, "master_server_address"),
     ({"master_server_address": "127.0.0.1:0"}, "master_server_address"),
     ({"metadata_server": "http://127.0.0.1:99999/metadata"}, "metadata_server"),
+    # Before, these passed and startup called the unreachable address an outage (served
+    # without the cache for good under on_master_unreachable=degrade), or probed port 80.
+    ({"metadata_server": "http://127.0.0.1:0/metadata"}, "metadata_server"),
+    ({"metadata_server": "etcd://127.0.0.1:99999"}, "metadata_server"),
+    ({"metadata_server": "127.0.0.1:2379,127.0.0.1:0"}, "metadata_server"),
+    ({"master_server_address": "etcd://127.0.0.1:2379,127.0.0.1:65536"},
+     "master_server_address"),
 ])
 def test_ports_out_of_range(extra, field):
     assert f"{field}: " in error_for(extra) and "65535" in error_for(extra)
+
+
+def test_an_http_metadata_server_needs_its_path():
+    """Mooncake asks an HTTP metadata server at `<url>?key=...`: without the path (the master's
+    is /metadata) its puts got 404 and setup failed naming master_server_address."""
+    assert error_for({"metadata_server": "http://10.0.0.1:8080"}) == (
+        "kv_connector_extra_config.metadata_server: 'http://10.0.0.1:8080' has no path, where "
+        "an HTTP metadata server answers; write http://10.0.0.1:8080/metadata for the "
+        "master's (--enable_http_metadata_server)")
+    for fine in ("http://m/metadata", "https://m:8443/md", "m:2379,n:2379", "P2PHANDSHAKE"):
+        assert load_config({**BASE, "metadata_server": fine}, {}).store.metadata_server == fine
 
 
 @pytest.mark.parametrize("key", ["lookup_rpc_port", "enable_group_semantics", "custom_mem_pool"])
