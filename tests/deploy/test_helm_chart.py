@@ -14,6 +14,7 @@ helm is installed by scripts/setup_helm.sh when ./bin/helm is missing.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from connector.config import CONNECTOR_KEYS, load_config
+from connector.config import CONNECTOR_KEYS, ConfigError, load_config, parse_size
 from tests.helm_kit import (
     CHART,
     CI_VALUES,
@@ -274,13 +275,38 @@ def test_master_image_override(helm):
     assert images[f"{RELEASE}-mooncake-pooled-connector-engine"] == f"{IMAGE}:0.1.0"
 
 
-def test_external_master_deploys_no_master(helm):
-    docs = helm.render("--set", "master.external.address=mooncake.infra:50051")
+@pytest.mark.parametrize("metadata", ["", "etcd://etcd.infra:2379", "etcd.infra:2379",
+                                      "https://meta.infra/metadata", "P2PHANDSHAKE"])
+def test_external_master_deploys_no_master(helm, metadata):
+    """And its metadata server is any the connector takes (etcd ones were refused)."""
+    docs = helm.render("--set", "master.external.address=mooncake.infra:50051",
+                       "--set", f"master.external.metadataServer={metadata}")
     assert not any("master" in n for n in by_kind(docs, "Deployment"))
     assert not any("master" in n for n in by_kind(docs, "Service"))
     cfg = json.loads(next(iter(by_kind(docs, "ConfigMap").values()))["data"]["mooncake.json"])
     assert cfg["master_server_address"] == "mooncake.infra:50051"
-    assert cfg["metadata_server"] == "http://mooncake.infra:8080/metadata"
+    want = metadata or "http://mooncake.infra:8080/metadata"
+    assert cfg["metadata_server"] == want
+    assert load_config({**cfg, "local_hostname": "10.1.2.3"}, {}).store.metadata_server == want
+
+
+@pytest.mark.parametrize("definition", ["size", "storeNodeSize"])
+def test_every_size_the_chart_admits_the_connector_reads(definition):
+    """The engines' sizes go to the connector (`parse_size`); the store nodes' ones to
+    mooncake_client, which reads a subset of them (tests/store/test_store_node_sizes.py)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    (text,) = [a["pattern"] for a in schema["definitions"][definition]["anyOf"]
+               if "pattern" in a]
+    forms = [f"{n}{sp}{u}" for n in ("4", "1.5") for sp in ("", " ")
+             for u in ("", "b", "K", "kb", "KiB", "m", "MB", "Mi", "GiB", "Gi", "tB", "X", "iB")]
+    for form in forms:
+        try:
+            parse_size(form, "x")
+            reads = True
+        except ConfigError:
+            reads = False
+        assert not re.match(text, form) or reads, form
+        assert re.match(text, form) or not reads or definition == "storeNodeSize", form
 
 
 def test_store_nodes(helm):
@@ -324,6 +350,12 @@ SCHEMA_ERROR = "values don't meet the specifications of the schema"
     ("hfToken=hf_abc", "at '': additional properties 'hfToken' not allowed"),
     ("monitoring.kind=Probe", "at '/monitoring/kind': value must be one of"),
     ("master.clientTtlSeconds=0", "at '/master/clientTtlSeconds': minimum: got 0, want 1"),
+    # mooncake_client reads these as 0 (no memory, no error); the connector refuses Mi forms
+    ("storeNodes.globalSegmentSize=64GiB", "at '/storeNodes/globalSegmentSize'"),
+    ("storeNodes.localBufferSize=16Mi", "at '/storeNodes/localBufferSize'"),
+    ("deployments[0].localBufferSize=512Mi", "at '/deployments/0/localBufferSize'"),
+    ("master.external.address=mc:99999", "at '/master/external/address'"),
+    ("master.external.metadataServer=http://mc:8080", "at '/master/external/metadataServer'"),
 ])
 def test_schema_rejects_bad_values_with_clear_message(helm, setting, message):
     err = helm.error("--set", setting)

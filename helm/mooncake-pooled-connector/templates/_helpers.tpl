@@ -303,6 +303,11 @@ tenants:
 {{- if kindIs "string" . }}{{ toJson . }}{{ else }}{{ int64 . }}{{ end }}
 {{- end }}
 
+{{/* A size as a flag value: a number as a plain integer (not 6.7108864e+07). */}}
+{{- define "mpc.sizeArg" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ int64 . }}{{ end }}
+{{- end }}
+
 {{/* The MOONCAKE_CONFIG_PATH file for one deployment. Call with (dict "root" $ "d" $merged). */}}
 {{- define "mpc.vllm.mooncakeConfig" -}}
 {
