@@ -19,11 +19,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from connector.config import CONNECTOR_KEYS, ConfigError, load_config, parse_size
+from connector.observability.kv_event_settings import event_settings
 from tests.helm_kit import (
     CHART,
     CI_VALUES,
@@ -751,6 +753,30 @@ def test_kv_events_expose_the_endpoint_and_reach_the_connector(helm):
              if {"port": 5557, "protocol": "TCP"} in r["ports"]]
     assert rules == [{"from": KV_EVENTS["networkPolicy"]["kvEventsFrom"],
                       "ports": [{"port": 5557, "protocol": "TCP"}]}]
+
+
+def test_kv_events_sweep_address_with_ha_masters_or_given(helm):
+    """HA masters: the master Service holds the standby too, which answers the sweep's query
+    with 503 (half the rounds failed, or all while a kept-alive connection stuck to it): no
+    address is set, so the connector turns the sweep off and says why. One given in
+    extraConfig is kept (it was overwritten by the Service's)."""
+    ha = {**KV_EVENTS, "master": {"ha": {"enabled": True}}}
+    c = vllm_containers(helm.render(values=ha))["pub"]
+    extra = json.loads(arg_after(c["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert "kv_events_master_http" not in extra
+    cfg = load_config({**extra, "master_server_address": "etcd://etcd:2379",
+                       "metadata_server": "etcd://etcd:2379"}, {})
+    settings = event_settings(cfg, SimpleNamespace(
+        enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",
+        replay_endpoint=None))
+    assert settings.sweep_s == 0 and "kv_events_master_http" in settings.sweep_off
+    given = {**ha, "deploymentDefaults": {"kvEvents": {"enabled": True}, "extraConfig": {
+        "kv_events_master_http": "mooncake-leader.llm.svc:9003"}}}
+    for values in (given, {**given, "master": {}}):
+        c = vllm_containers(helm.render(values=values))["pub"]
+        extra = json.loads(arg_after(c["args"], "--kv-transfer-config"))[
+            "kv_connector_extra_config"]
+        assert extra["kv_events_master_http"] == "mooncake-leader.llm.svc:9003"
 
 
 def test_kv_events_sweep_with_another_tenant_is_refused(helm):

@@ -351,7 +351,9 @@ preflight container (so the preflight checks what the engine will use). Call wit
 {{- with .d.kvEvents }}{{ if .enabled }}
 {{- $_ := set $extra "kv_events" "on" }}
 {{- $_ := set $extra "kv_events_sweep_s" .sweepSeconds }}
-{{- if gt (float64 .sweepSeconds) 0.0 }}
+{{- /* The master Service's admin port, unless extraConfig names one. Not with HA masters:
+their Service holds the standby too, which answers the sweep's query with 503. */}}
+{{- if and (gt (float64 .sweepSeconds) 0.0) (not (hasKey $extra "kv_events_master_http")) (not (include "mpc.master.ha" $.root)) }}
 {{- $_ := set $extra "kv_events_master_http" (include "mpc.master.adminAddress" $.root) }}
 {{- end }}
 {{- end }}{{ end }}
