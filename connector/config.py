@@ -295,9 +295,13 @@ KEYS: tuple[Key, ...] = (
         "one gone); 0: removals only from lookups that miss an announced block", lo=0,
         hi=3600),
     Key("kv_events_master_http", "text", "", "`host:port` of the master's metrics/admin HTTP "
-        "port (`--metrics_port`) for the sweeps", pattern=r"[^\s:/]+:" + PORT_RE,
-        fix="the master's host:port of --metrics_port, e.g. 10.0.0.5:9003",
-        shown="the host of `master_server_address`, port 9003 (Mooncake's default)"),
+        "port (`--metrics_port`) for the sweeps; `:port`: the serving master's host (with HA "
+        "masters the leader etcd names, found again each round: a standby does not answer)",
+        pattern=r"[^\s:/]*:" + PORT_RE,
+        fix="the master's host:port of --metrics_port, e.g. 10.0.0.5:9003, or :9003 for the "
+            "serving master's (the HA leader's)",
+        shown="the host of `master_server_address` (the HA leader's with an `etcd://` one), "
+              "port 9003 (Mooncake's default)"),
     # A 128K-token prompt at block size 16 is 8,192 blocks: the default takes several such
     # prompts' blocks in one step (it was 10,000, which dropped most of a second one's).
     Key("kv_events_queue", "int", 65_536, "blocks the events held until vLLM takes them "

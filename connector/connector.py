@@ -206,12 +206,14 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
         st, sched = self._event_settings, self.scheduler
         if st is None or not sched.saves:
             return
+        from connector.observability.kv_event_settings import sweep_address
         from connector.observability.kv_events import StoreEventLog
 
         self.kv_events = sched.kv_events = StoreEventLog(
             st, self.keys.layout.tp_size, self._vllm_config.cache_config.block_size,
             lambda hashes, g: sched._keys.all_shard_keys(hashes, g), self.keys.layout.shards,
-            sched.recorder.count, _spec_kinds(kv_cache_config), self._wakeup.wake)
+            sched.recorder.count, _spec_kinds(kv_cache_config), self._wakeup.wake,
+            sweep_address(st, self.config.store, self.config.store_timeout_s))
         if st.sweep_off:
             sched.recorder.count("kv_events_sweeps", "off")
             logger.warning("PooledMooncakeStoreConnector: %s", st.sweep_off)

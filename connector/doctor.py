@@ -313,7 +313,7 @@ def check_kv_events(ctx: Context) -> str:
     answers (a sweep that never does leaves removals to lookups alone)."""
     from types import SimpleNamespace
 
-    from connector.observability.kv_event_settings import event_settings
+    from connector.observability.kv_event_settings import event_settings, sweep_address
     from connector.store.master_http import query_keys
 
     vllm_on = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint=None,
@@ -328,14 +328,17 @@ def check_kv_events(ctx: Context) -> str:
         return f"{fit}; no sweep: {st.sweep_off}"
     if not st.sweep_s:
         return f"{fit}; no sweep (kv_events_sweep_s 0): removals come from lookups only"
+    where = st.sweep_target
     try:
-        query_keys(st.master_http, ["__mcpool_doctor__"], timeout=ctx.wait)
+        where = sweep_address(st, ctx.cfg.store, ctx.wait)()
+        query_keys(where, ["__mcpool_doctor__"], timeout=ctx.wait)
     except Exception as e:  # noqa: BLE001 - any failure is the sweep's failure
-        raise CheckFailed(f"{fit}; the sweep's address {st.master_http} does not answer "
+        raise CheckFailed(f"{fit}; the sweep's address {where} does not answer "
                           f"/batch_query_keys ({e})",
                           "set kv_events_master_http to the master's host:port of "
-                          "--metrics_port that engines reach, or kv_events_sweep_s to 0") from None
-    return f"{fit}; the sweep's address {st.master_http} answers"
+                          "--metrics_port that engines reach (:port for the HA leader's), or "
+                          "kv_events_sweep_s to 0") from None
+    return f"{fit}; the sweep's address {where} answers"
 
 
 CHECKS: list[Check] = [

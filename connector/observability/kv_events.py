@@ -314,8 +314,11 @@ class StoreEventLog:
                  keys: Callable[[Sequence[bytes], int], list[str]], shards: int,
                  count: Callable[..., None],
                  spec_kinds: Sequence[tuple[str | None, int | None]] = (),
-                 wake: Callable[[], None] = lambda: None) -> None:
+                 wake: Callable[[], None] = lambda: None,
+                 where: Callable[[], str] | None = None) -> None:
         self.settings = settings
+        # the sweep's address, asked each round (`sweep_address`: an HA leader moves)
+        self._where = where or (lambda: settings.master_http)
         self._tp_size, self._block_size = tp_size, block_size
         self._keys, self._shards, self._count = keys, shards, count
         self._spec = tuple(spec_kinds)
@@ -705,11 +708,15 @@ class StoreEventLog:
             self._thread.start()
 
     def _sweep_loop(self) -> None:
-        client = MasterKeys(self.settings.master_http,
-                            timeout=max(1.0, min(10.0, self.settings.sweep_s)))
+        client: MasterKeys | None = None
         while not self._stop.wait(self.settings.sweep_s):
             t0 = time.perf_counter()
             try:
+                where = self._where()
+                if client is None or client.address != where:
+                    if client is not None:
+                        client.close()
+                    client = MasterKeys(where, timeout=max(1.0, min(10.0, self.settings.sweep_s)))
                 self.sweep(client)
                 self._count("kv_events_sweeps", "ok")
                 if self._sweep_failing:
@@ -722,16 +729,17 @@ class StoreEventLog:
                     logger.warning("KV event sweep of %s failed (%s); removals wait for it "
                                    "(lookups still report them; kv_events_sweeps_total"
                                    "{result=\"error\"} counts the rounds)",
-                                   self.settings.master_http, e)
+                                   self.settings.sweep_target, e)
             finally:
                 self._count("kv_events_sweep_seconds", n=time.perf_counter() - t0)
-        client.close()
+        if client is not None:
+            client.close()
 
     def sweep(self, client: MasterKeys | None = None) -> int:
         """One round over every live block, in batches; returns the blocks announced removed.
         A batch whose query fails raises (nothing is removed on a guess)."""
         own = client is None
-        client = client or MasterKeys(self.settings.master_http)
+        client = client or MasterKeys(self._where())
         with self._lock:
             blocks = list(self._live)
         removed = i = 0

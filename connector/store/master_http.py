@@ -73,6 +73,7 @@ class MasterKeys:
     failure (and reconnects on the next query)."""
 
     def __init__(self, master_http: str, timeout: float = 5.0) -> None:
+        self.address = master_http
         host, _, port = master_http.rpartition(":")
         self._host, self._port, self._timeout = host, int(port), timeout
         self._conn: http.client.HTTPConnection | None = None

@@ -757,19 +757,19 @@ def test_kv_events_expose_the_endpoint_and_reach_the_connector(helm):
 
 def test_kv_events_sweep_address_with_ha_masters_or_given(helm):
     """HA masters: the master Service holds the standby too, which answers the sweep's query
-    with 503 (half the rounds failed, or all while a kept-alive connection stuck to it): no
-    address is set, so the connector turns the sweep off and says why. One given in
-    extraConfig is kept (it was overwritten by the Service's)."""
-    ha = {**KV_EVENTS, "master": {"ha": {"enabled": True}}}
+    with 503 (half the rounds failed, or all while a kept-alive connection stuck to it): only
+    the port is set, and the connector asks the leader etcd names. One given in extraConfig
+    is kept (it was overwritten by the Service's)."""
+    ha = {**KV_EVENTS, "master": {"ha": {"enabled": True}, "ports": {"metrics": 9100}}}
     c = vllm_containers(helm.render(values=ha))["pub"]
     extra = json.loads(arg_after(c["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
-    assert "kv_events_master_http" not in extra
+    assert extra["kv_events_master_http"] == ":9100"
     cfg = load_config({**extra, "master_server_address": "etcd://etcd:2379",
                        "metadata_server": "etcd://etcd:2379"}, {})
     settings = event_settings(cfg, SimpleNamespace(
         enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",
         replay_endpoint=None))
-    assert settings.sweep_s == 0 and "kv_events_master_http" in settings.sweep_off
+    assert (settings.sweep_s, settings.sweep_target) == (5, "the HA leader's port 9100")
     given = {**ha, "deploymentDefaults": {"kvEvents": {"enabled": True}, "extraConfig": {
         "kv_events_master_http": "mooncake-leader.llm.svc:9003"}}}
     for values in (given, {**given, "master": {}}):

@@ -461,3 +461,60 @@ def test_tp2_ranks_announce_each_block_once_both_shards_landed():
         finally:
             for w in ranks:
                 w.shutdown()
+
+
+def test_with_ha_masters_the_sweep_asks_the_leader_etcd_names_through_a_failover(ha_etcd):
+    """HA masters on two hosts (127.0.0.1 and 127.0.0.2), one admin port number: the sweep
+    (`kv_events_master_http: ":port"`) asks the leader etcd names, each round, and after the
+    leader is killed asks the new one. The standby answers the query with 503, so a round
+    asking it would fail. Before, an HA group had no sweep (or one pointed at a service of
+    both masters)."""
+    import uuid
+
+    from connector.observability.kv_event_settings import event_settings, sweep_address
+    from connector.store.master_http import query_keys
+    from devkit.ha_cluster import HaCluster, HaMaster
+
+    etcd, port, cid = ha_etcd[0], free_port(), f"sweep-{uuid.uuid4().hex[:8]}"
+    cluster = HaCluster(etcd=etcd, cluster_id=cid, segment_size="64MB", supervise=False,
+                        masters=[HaMaster(host=h, metrics_port=port, etcd_endpoints=etcd.endpoint,
+                                          cluster_id=cid) for h in ("127.0.0.1", "127.0.0.2")])
+    cluster.start()
+    log = None
+    try:
+        address = f"etcd://{etcd.endpoint}"
+        cfg = load_config({"master_server_address": address, "metadata_server": address,
+                           "cluster_id": cid, "kv_events": "on", "kv_events_sweep_s": 0.3,
+                           "kv_events_master_http": f":{port}"}, {})
+        st = event_settings(cfg, SimpleNamespace(enable_kv_cache_events=True, publisher="zmq",
+                                                 endpoint="tcp://*:5557", replay_endpoint=None))
+        keys = KeyBuilder("kvev-ha", Layout("m", "bfloat16", BS, 2, 32, 2, 1))
+        keys = keys.with_signature(SIGNATURE)
+        log = StoreEventLog(st, 1, BS, lambda hs, g: keys.all_shard_keys(hs, g), 1, Counts(),
+                            where=sweep_address(st, cfg.store, 2.0))
+        log.start()
+
+        def announced_then_removed(req) -> None:
+            """Announced as stored (never written: the leader holds none of it), then removed
+            by a sweep round within 30 s."""
+            log.planned(req, range(len(req.block_hashes)), 0)
+            log.landed([(0, 0, tuple(req.block_hashes))])
+            want, got = {external_hash(h) for h in req.block_hashes}, set()
+            deadline = time.monotonic() + 30
+            while not want <= got:
+                assert time.monotonic() < deadline, f"not removed: {len(want - got)} blocks"
+                got |= removed_hashes(log.take())
+                time.sleep(0.1)
+
+        old = cluster.leader()
+        announced_then_removed(request("ha-before", 3))
+        with pytest.raises(Exception, match="503"):  # what a round asking the standby gets
+            query_keys(f"{cluster.standby().host}:{port}", ["k"])
+        old.kill()
+        new = cluster.wait_serving(60, exclude=old)
+        assert new.host != old.host
+        announced_then_removed(request("ha-after", 3))
+    finally:
+        if log is not None:
+            log.shutdown()
+        cluster.stop()

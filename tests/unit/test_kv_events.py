@@ -479,17 +479,30 @@ def test_tenant_without_sweep_is_fine():
 
 
 @pytest.mark.parametrize("mode", ["auto", "on"])
-@pytest.mark.parametrize("extra, field", [
-    ({"tenant_id": "team-a"}, "kv_events_sweep_s"),
-    ({"master_server_address": "etcd://10.0.0.1:2379"}, "kv_events_master_http"),
-])
-def test_a_sweep_that_cannot_work_falls_back_to_lookups_with_the_field_named(mode, extra, field):
-    """An engine that served before the sweep existed (a tenant, an HA group without the
-    masters' admin address) keeps serving with events: no sweep, removals from lookups, and a
-    one-line reason naming the field (logged, and counted as kv_events_sweeps{result="off"})."""
-    s = event_settings(cfg(kv_events=mode, **extra), ON)
+def test_a_sweep_that_cannot_work_falls_back_to_lookups_with_the_field_named(mode):
+    """An engine that served before the sweep existed (a tenant other than default) keeps
+    serving with events: no sweep, removals from lookups, and a one-line reason naming the
+    field (logged, and counted as kv_events_sweeps{result="off"})."""
+    s = event_settings(cfg(kv_events=mode, tenant_id="team-a"), ON)
     assert s is not None and s.sweep_s == 0 and s.master_http == ""
-    assert field in s.sweep_off and "lookups" in s.sweep_off and "\n" not in s.sweep_off
+    assert "kv_events_sweep_s" in s.sweep_off and "lookups" in s.sweep_off
+    assert "\n" not in s.sweep_off
+
+
+@pytest.mark.parametrize("extra, http, target", [
+    ({"master_server_address": "etcd://10.0.0.1:2379"}, ":9003", "the HA leader's port 9003"),
+    ({"master_server_address": "etcd://10.0.0.1:2379", "kv_events_master_http": ":9100"},
+     ":9100", "the HA leader's port 9100"),
+    ({"kv_events_master_http": ":9100"}, "10.1.2.3:9100", "10.1.2.3:9100"),
+    ({"master_server_address": "etcd://10.0.0.1:2379", "kv_events_master_http": "m:9100"},
+     "m:9100", "m:9100"),
+])
+def test_the_sweep_asks_the_serving_masters_host(extra, http, target):
+    """HA masters (before: no sweep without an address given): the leader's host, read from
+    etcd each round (tests/store/test_kv_events_store.py follows a failover); `:port` names
+    the port. One master: its host."""
+    s = event_settings(cfg(**extra), ON)
+    assert (s.sweep_s, s.master_http, s.sweep_off, s.sweep_target) == (5.0, http, "", target)
 
 
 @pytest.mark.parametrize("key", ["kv_event", "kv_events_sweep", "kv_events_endpoint"])

@@ -351,10 +351,15 @@ preflight container (so the preflight checks what the engine will use). Call wit
 {{- with .d.kvEvents }}{{ if .enabled }}
 {{- $_ := set $extra "kv_events" "on" }}
 {{- $_ := set $extra "kv_events_sweep_s" .sweepSeconds }}
-{{- /* The master Service's admin port, unless extraConfig names one. Not with HA masters:
-their Service holds the standby too, which answers the sweep's query with 503. */}}
-{{- if and (gt (float64 .sweepSeconds) 0.0) (not (hasKey $extra "kv_events_master_http")) (not (include "mpc.master.ha" $.root)) }}
+{{- /* The master Service's admin port, unless extraConfig names one. With HA masters only
+the port: the connector asks the leader etcd names (their Service holds the standby too,
+which answers the sweep's query with 503). */}}
+{{- if and (gt (float64 .sweepSeconds) 0.0) (not (hasKey $extra "kv_events_master_http")) }}
+{{- if include "mpc.master.ha" $.root }}
+{{- $_ := set $extra "kv_events_master_http" (printf ":%d" (int $.root.Values.master.ports.metrics)) }}
+{{- else }}
 {{- $_ := set $extra "kv_events_master_http" (include "mpc.master.adminAddress" $.root) }}
+{{- end }}
 {{- end }}
 {{- end }}{{ end }}
 {{- with $extra }}
