@@ -904,10 +904,16 @@ def json_schema(key: Key) -> dict[str, Any]:
     return out
 
 
+# Mooncake fields the chart has no typed value for (it writes the others into the Mooncake
+# file from its values): its extraConfig takes them.
+HELM_EXTRA_MOONCAKE = ("replica_num", "transfer_timeout", "preferred_segment")
+
+
 def helm_extra_config() -> dict[str, Any]:
-    """The chart's extraConfig properties: every connector key but load_threads (recvThreads)."""
+    """The chart's extraConfig properties: every connector key but load_threads (recvThreads),
+    and the Mooncake fields of HELM_EXTRA_MOONCAKE."""
     return {k.name: json_schema(k) for k in KEYS
-            if not k.mooncake and k.name != "load_threads"}
+            if (not k.mooncake or k.name in HELM_EXTRA_MOONCAKE) and k.name != "load_threads"}
 
 
 def sync_helm_schema(path: str = HELM_SCHEMA, check: bool = False) -> bool:

@@ -24,7 +24,13 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from connector.config import CONNECTOR_KEYS, ConfigError, load_config, parse_size
+from connector.config import (
+    CONNECTOR_KEYS,
+    HELM_EXTRA_MOONCAKE,
+    ConfigError,
+    load_config,
+    parse_size,
+)
 from connector.observability.kv_event_settings import event_settings
 from tests.helm_kit import (
     CHART,
@@ -235,10 +241,24 @@ def test_tracing_env_only_when_endpoint_set(helm):
 
 
 def test_extra_config_schema_matches_connector_keys():
-    """The chart's extraConfig keys are exactly the connector's, minus load_threads."""
+    """The chart's extraConfig keys are exactly the connector's, minus load_threads, plus the
+    Mooncake fields it has no typed value for."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     keys = set(schema["definitions"]["extraConfig"]["properties"])
-    assert keys == set(CONNECTOR_KEYS) - {"load_threads"}
+    assert keys == set(CONNECTOR_KEYS) - {"load_threads"} | set(HELM_EXTRA_MOONCAKE)
+
+
+def test_mooncake_fields_without_a_typed_value_reach_the_connector(helm):
+    """replica_num, transfer_timeout (the only bound on zero-copy transfers) and
+    preferred_segment: the schema refused them in extraConfig, and no value set them."""
+    extra = {"replica_num": 2, "transfer_timeout": 7.5, "preferred_segment": "10.0.0.9:50052"}
+    c = vllm_containers(helm.render(values={"deploymentDefaults": {"extraConfig": extra}}))[
+        "engine"]
+    got = json.loads(arg_after(c["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
+    cfg = load_config({**got, "master_server_address": "m:50051",
+                       "metadata_server": "http://m:8080/metadata"}, {})
+    assert (cfg.store.replica_num, cfg.store.transfer_timeout,
+            cfg.store.preferred_segment) == (2, 7.5, "10.0.0.9:50052")
 
 
 def test_global_segment_size_default_follows_store_nodes(helm):
