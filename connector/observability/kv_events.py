@@ -318,7 +318,7 @@ class StoreEventLog:
                  where: Callable[[], str] | None = None) -> None:
         self.settings = settings
         # the sweep's address, asked each round (`sweep_address`: an HA leader moves)
-        self._where = where or (lambda: settings.master_http)
+        self._where = where or (lambda: self.settings.master_http)
         self._tp_size, self._block_size = tp_size, block_size
         self._keys, self._shards, self._count = keys, shards, count
         self._spec = tuple(spec_kinds)

@@ -46,7 +46,7 @@ def test_a_metadata_server_without_a_scheme_must_be_etcd(ha_etcd, monkeypatch):
         assert time.monotonic() - t0 < 5
         assert check(etcd) == master.address
         assert check(f"{etcd},{http_md}") == master.address  # one of them is etcd
-        assert check(f"http://{http_md}") == master.address  # a scheme: not this check's
+        assert check(f"http://{http_md}/metadata") == master.address  # a scheme: not this one's
     finally:
         master.stop()
 
