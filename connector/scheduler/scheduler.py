@@ -124,9 +124,12 @@ class MooncakeStoreScheduler:
         self._preloaded: dict[str, int] = {}
         self._arrived: OrderedDict[str, Any] = OrderedDict()  # arrivals waiting for a turn
         self._abandoned: list[cf.Future] = []  # timed out or finished while running
-        self._hits: dict[str, int] = {}  # req_id -> block-aligned tokens found in the store
+        # req_id -> (block-aligned tokens found in the store, the request's num_preemptions
+        # then: an answer from before a preemption is not the next admission's)
+        self._hits: dict[str, tuple[int, int]] = {}
         self._seen: dict[str, float] = {}  # req_id -> when its lookup answered (perf_counter)
         self._tracked: dict[str, _Tracked] = {}
+        self._admitted: set[str] = set()  # requests allocated since the last step's metadata
         self._loads: list[BlockTransfer] = []
         self._sync_loads: list[BlockTransfer] = []  # loads the step waits for (step_loads)
         self._sync: dict[str, bool] = {}  # req_id -> its load goes inside the step
@@ -275,12 +278,20 @@ class MooncakeStoreScheduler:
         if max_blocks * self._block_size <= num_computed_tokens:
             return 0, False
         rid = request.request_id
-        hit = self._hits.get(rid)
-        if hit is None:
+        preemptions = getattr(request, "num_preemptions", 0)
+        found = self._hits.get(rid)
+        if found is not None and found[1] != preemptions:
+            # Preempted since: by vLLM's reset_prefix_cache(reset_running_requests), outside
+            # a step, so no metadata told of it before this admission. A fresh one.
+            self._forget(rid)
+            found = None
+        if found is None:
             hit = self._poll_lookup(rid, request.block_hashes[:max_blocks])
             if hit is None:
                 return None, False
-            self._hits[rid] = hit
+            self._hits[rid] = (hit, preemptions)
+        else:
+            hit = found[0]
         ext = hit - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -367,7 +378,8 @@ class MooncakeStoreScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
         rid = request.request_id
-        hit = self._hits.get(rid, 0)
+        self._admitted.add(rid)
+        hit = self._hits.get(rid, (0, 0))[0]
         if num_external_tokens > 0 and rid not in self._loading:
             first, last = (hit - num_external_tokens) // self._block_size, hit // self._block_size
             sync = self._sync.pop(rid, False)  # done before this step's forward
@@ -393,20 +405,19 @@ class MooncakeStoreScheduler:
         preempted = tuple(so.preempted_req_ids or ())
         cached = so.scheduled_cached_reqs
         # vLLM also preempts outside a step (reset_prefix_cache with reset_running_requests)
-        # and admits those requests again in the next one, which lists them as preempted and
-        # scheduled: the state that admission made (lookup, allocation) is theirs now.
-        again = {new.req_id for new in so.scheduled_new_reqs} | set(cached.resumed_req_ids)
+        # and admits those requests again in the next one, which lists them as preempted: the
+        # state that admission made (lookup, allocation; its load may be asynchronous) is
+        # theirs now.
         for rid in preempted:
             self._unpin(rid)  # handle_preemptions waits for its saves before the next forward
             self.clock.forget(rid)
-            if rid not in again:
-                self._tracked.pop(rid, None)
-                self._hits.pop(rid, None)
-                self._seen.pop(rid, None)
+            if rid not in self._admitted:
+                self._forget(rid)
+        self._admitted.clear()
         for new in so.scheduled_new_reqs:
             tr = self._tracked.get(new.req_id)
             if tr is not None:
-                self._admitted(tr, new.block_ids, new.num_computed_tokens)
+                self._scheduled(tr, new.block_ids, new.num_computed_tokens)
                 self._plan_save(tr, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
                                 saves)
         for i, rid in enumerate(cached.req_ids):
@@ -415,7 +426,7 @@ class MooncakeStoreScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                self._admitted(tr, new_ids or (), cached.num_computed_tokens[i])
+                self._scheduled(tr, new_ids or (), cached.num_computed_tokens[i])
             elif new_ids is not None:
                 for have, ids in zip(tr.block_ids, new_ids, strict=True):
                     have.extend(ids)
@@ -439,7 +450,14 @@ class MooncakeStoreScheduler:
         self._free_after.clear()
         return meta
 
-    def _admitted(self, tr: _Tracked, block_ids: Sequence[Sequence[int]], computed: int) -> None:
+    def _forget(self, rid: str) -> None:
+        """A preempted request's admission: its lookup's answer and save cursor."""
+        self._tracked.pop(rid, None)
+        self._hits.pop(rid, None)
+        self._seen.pop(rid, None)
+
+    def _scheduled(self, tr: _Tracked, block_ids: Sequence[Sequence[int]], computed: int
+                   ) -> None:
         """A request scheduled new or resumed, on blocks `block_ids` from `computed` tokens. A
         load that failed past a valid prefix, or a preemption, left it to recompute from
         there: what it computes goes to the store again (blocks it still holds are skipped)."""
@@ -534,7 +552,7 @@ class MooncakeStoreScheduler:
             # A request comes back to the lookup only if its load failed and vLLM recomputes
             # it: answer "nothing more in the store" so it is never re-loaded in a loop.
             if rid in self._hits:
-                self._hits[rid] = 0
+                self._hits[rid] = (0, self._hits[rid][1])
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Hold the blocks while a job may still touch them.

@@ -270,6 +270,34 @@ def test_a_request_preempted_by_a_cache_reset_and_admitted_again_at_once_saves(
     assert [(t.block_ids, t.block_hashes) for t in meta.saves] == [(tuple(ids[:4]), hs)]
 
 
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_request_preempted_by_a_cache_reset_looks_up_again_and_loads(sched, store_client,
+                                                                       resumed):
+    """The same reset, where the store holds the request's first blocks since its first
+    admission (its saves landed): the admission after the reset looks up again, loads them
+    (asynchronously: the step lists the request as preempted only, as it waits for its load),
+    and saves the rest. Before, it was answered from its first admission (a miss) and
+    recomputed what the store held; and the preemption dropped the state of its load."""
+    hs = hashes(f"reset-load-{resumed}", 4)
+    req = request("y", hs, 4 * BS + 5)
+    req.num_preemptions = 0
+    assert ask(sched, req) == (0, False)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
+    first = sched.build_connector_meta(scheduled("y", [1, 2, 3, 4, 5], 0, 2 * BS, False))
+    assert [t.block_ids for t in first.saves] == [(1, 2)]
+    store_blocks(store_client, sched, hs[:2])  # what the save wrote
+    req.num_preemptions = 1  # the reset
+    assert ask(sched, req) == (2 * BS, True)
+    ids = [11, 12, 13, 14, 15]
+    sched.update_state_after_alloc(req, blocks(ids), 2 * BS)
+    meta = sched.build_connector_meta(step_output(preempted=("y",)))
+    assert [(t.req_id, t.block_ids) for t in meta.loads] == [("y", (11, 12))]
+    sched.update_connector_output(SimpleNamespace(finished_sending=None,
+                                                  finished_recving={"y"}))
+    meta = sched.build_connector_meta(scheduled("y", ids, 2 * BS, 2 * BS + 5, resumed))
+    assert [(t.block_ids, t.block_hashes) for t in meta.saves] == [(tuple(ids[2:4]), hs[2:4])]
+
+
 def test_blocks_held_while_loading_or_saved(sched, store_client):
     hs = hashes("hold", 2)
     store_blocks(store_client, sched, hs)
