@@ -150,7 +150,7 @@ def _probe_any(endpoints: list[str], timeout: float) -> tuple[str | None, str | 
 
 def cluster_id(cfg: StoreConfig) -> str:
     """The HA cluster id the client will use (load_config made the config and env agree)."""
-    return os.environ.get(CLUSTER_ID_ENV) or cfg.cluster_id or DEFAULT_CLUSTER_ID
+    return os.environ.get(CLUSTER_ID_ENV, "").strip() or cfg.cluster_id or DEFAULT_CLUSTER_ID
 
 
 def etcd_leader(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:

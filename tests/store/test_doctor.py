@@ -188,12 +188,15 @@ def test_ha_group_names_its_leader(ha_group, tmp_path):
     assert ms < 30_000, lines["round trip"]
 
 
-def test_a_blank_cluster_id_variable_is_unset(ha_group, tmp_path):
+@pytest.mark.parametrize("blank", ["", " "])
+def test_a_blank_cluster_id_variable_is_unset(ha_group, tmp_path, blank):
     """MC_STORE_CLUSTER_ID set blank (a chart's empty value): the configured cluster_id is
     used, as the config reads a blank variable as unset. Before, the blank stayed, Mooncake
-    read it as its default cluster id, and the store client's setup failed."""
-    rc, lines = doctor(ha_group, tmp_path, env={CLUSTER_ID_ENV: ""})
+    read it as its default cluster id, and the store client's setup failed; whitespace made
+    the leader read ask etcd for cluster id ' '."""
+    rc, lines = doctor(ha_group, tmp_path, env={CLUSTER_ID_ENV: blank})
     assert rc == 0, lines
+    assert lines["master"].startswith("PASS leader"), lines
     assert lines["round trip"].startswith("PASS"), lines
 
 
