@@ -451,7 +451,8 @@ class MooncakeStoreScheduler:
         return meta
 
     def _forget(self, rid: str) -> None:
-        """A preempted request's admission: its lookup's answer and save cursor."""
+        """A request's admission (preempted or finished): its lookup's answer and save
+        cursor."""
         self._tracked.pop(rid, None)
         self._hits.pop(rid, None)
         self._seen.pop(rid, None)
@@ -563,9 +564,7 @@ class MooncakeStoreScheduler:
         rid = request.request_id
         self._asked(rid)
         self._preloaded.pop(rid, None)
-        self._hits.pop(rid, None)
-        self._seen.pop(rid, None)
-        self._tracked.pop(rid, None)
+        self._forget(rid)
         self._sync.pop(rid, None)
         self.clock.forget(rid)
         lk = self._lookups.pop(rid, None)

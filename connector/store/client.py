@@ -221,8 +221,6 @@ def find_master(cfg: StoreConfig, timeout: float) -> tuple[str, str | None]:
     return leader, (f"{what} is unreachable ({err})" if err else None)
 
 
-
-
 def _not_etcd(ep: str, timeout: float) -> str | None:
     """What answers HTTP at host:port `ep` when that is not etcd (etcd's GET /version names its
     server); None for etcd, and for no HTTP answer at all (nothing there, or a gRPC-only
