@@ -59,11 +59,11 @@ from connector.scheduler.step_loads import StepLoadPolicy
 from connector.store.client import (
     EXCEPTION_CODE,
     StoreError,
-    StoreHandle,
     error_code_label,
 )
 from connector.store.groups import FULL, ONE_FULL, GroupSpec
 from connector.store.keys import KeyBuilder
+from connector.store.process_client import scheduler_store
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 LOOKUP_CLIENT_BUFFER = 16 * 2**20
@@ -108,10 +108,11 @@ class MooncakeStoreScheduler:
         self._save = config.enable_save and lay.shards >= min(lay.tp_size, lay.num_kv_heads)
         self._pool: Any = None  # vLLM's BlockPool, for pins
         self._pins: dict[str, list[int]] = {}
-        self._store = StoreHandle(config.store, 0, LOOKUP_CLIENT_BUFFER,
-                                  config.on_master_unreachable, config.store_timeout_s,
-                                  on_probe_error=lambda: self.recorder.count(
-                                      "master_probe_errors", 0))
+        # The worker's handle where it runs in this process (connector.store.process_client)
+        self._store = scheduler_store(config.store, 0, LOOKUP_CLIENT_BUFFER,
+                                      config.on_master_unreachable, config.store_timeout_s,
+                                      on_probe_error=lambda: self.recorder.count(
+                                          "master_probe_errors", 0))
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
         self.gauges = GaugeRefresh(wake)  # idle steps while a worker's gauges move
         self._lookups: dict[str, _Lookup] = {}

@@ -386,7 +386,9 @@ class StoreHandle:
     (etcd answering garbage, the store client raising) is logged, counted (`on_probe_error`)
     and the next round goes on, so the cache cannot stay off for the life of the process.
     `close()` stops both background threads: the client is closed only once a probe call on it
-    has returned, and a reconnect that completes after `close()` closes its own client.
+    has returned, and a reconnect that completes after `close()` closes its own client. A
+    handle `share()`d by several users (connector.store.process_client) closes at its last
+    user's `close()`, after every user's `wait_first`.
     """
 
     def __init__(self, cfg: StoreConfig, global_segment_size: int, local_buffer_size: int,
@@ -402,6 +404,8 @@ class StoreHandle:
         self._lock = threading.Lock()  # the breaker's state
         self._connect_lock = threading.Lock()  # installing a client vs on_connect and close
         self._threads: list[threading.Thread] = []  # probe and reconnect threads started
+        self._users = 1  # share() adds one, close() takes one: the last closes the client
+        self._waits: list[Callable[[], object]] = []  # wait_first of the users closed so far
         self._awaited, self._awaited_until = "", 0.0  # a new leader warming up, watched until
         self._generation = 0  # +1 whenever the breaker closes or a client is installed
         self._calls = threading.local()  # .generation: when this thread's call started
@@ -431,6 +435,19 @@ class StoreHandle:
             self._callbacks.append(callback)
             if self.client is not None:
                 callback(self.client)
+
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
+    def share(self) -> bool:
+        """One more user of this handle (its client, breaker and probe), if it is not closed
+        yet: that user closes it too, and the client stays open until the last one has."""
+        with self._connect_lock:
+            if self._stop.is_set():
+                return False
+            self._users += 1
+            return True
 
     def ready(self) -> Any:
         """The client if connected and the breaker is closed, else None."""
@@ -567,13 +584,18 @@ class StoreHandle:
         """Close the client and stop the probe and reconnect threads. With `wait_first`
         (calls that block until a thread still inside a store call has returned), or a probe
         call still running, close it from a background thread once they return: so shutdown
-        never waits on a frozen peer, and the client is never freed under a call."""
+        never waits on a frozen peer, and the client is never freed under a call. A shared
+        handle only notes `wait_first` until its last user closes it."""
         with self._connect_lock:
+            self._users -= 1
+            self._waits += wait_first
+            if self._users > 0:
+                return
             self._stop.set()
             client, self.client = self.client, None
         if client is None:
             return
-        waits = [*wait_first, *(t.join for t in self._threads if t.is_alive())]
+        waits = [*self._waits, *(t.join for t in self._threads if t.is_alive())]
         if not waits:
             client.close()
             return

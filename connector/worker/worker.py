@@ -51,11 +51,11 @@ from connector.store.client import (
     MASTER_DOWN_CODES,
     SHORT_READ_CODE,
     StoreError,
-    StoreHandle,
     error_code_label,
 )
 from connector.store.groups import ONE_FULL, GroupSpec
 from connector.store.keys import KeyBuilder, layout_signature
+from connector.store.process_client import worker_store
 from connector.worker.kv_regions import GroupIO, ObjectPlan, plan_group
 from connector.worker.ledger import RequestLedger
 from connector.worker.preload import PreloadArena
@@ -196,8 +196,8 @@ class MooncakeStoreWorker:
             # own timeout can bound it; a staged one holds its thread (and a staged save's put,
             # the save and a shutdown) as long: make it the load deadline rather than 30 s.
             store_cfg = replace(store_cfg, transfer_timeout=config.load_timeout_s)
-        self._store = StoreHandle(
-            store_cfg, store_cfg.global_segment_size, store_cfg.local_buffer_size,
+        self._store = worker_store(
+            config.store, store_cfg, store_cfg.global_segment_size, store_cfg.local_buffer_size,
             config.on_master_unreachable, config.store_timeout_s,
             on_probe_error=lambda: self.recorder.count("master_probe_errors", tp_rank))
         self.ledger = RequestLedger()
