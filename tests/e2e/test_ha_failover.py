@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -187,17 +188,23 @@ def staggered_burst(server: VllmServer, work: list[list[int]], fault, at: int = 
     return outputs, time.monotonic() - marks["fault"], marks["fault"] - marks["start"]
 
 
-def serving_watch(cluster: HaCluster, old: HaMaster, t0: float) -> dict[str, float]:
-    """Starts watching for a master other than `old` to serve; the dict gets "serving_s"
-    (seconds after t0) when one does."""
+def serving_watch(cluster: HaCluster, old: HaMaster, t0: float) -> Callable[[], float]:
+    """Starts watching for a master other than `old` to serve; the call returned waits for
+    the watch and gives the seconds after t0 at which it saw one serve."""
     out: dict[str, float] = {}
 
     def watch() -> None:
         cluster.wait_serving(120, exclude=old)
         out["serving_s"] = time.monotonic() - t0
 
-    threading.Thread(target=watch, daemon=True).start()
-    return out
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+
+    def serving_s() -> float:
+        thread.join(130)
+        return round(out["serving_s"], 2)
+
+    return serving_s
 
 
 def first_store_hit(server: VllmServer, prompt: list[int], reference: list[int], t0: float,
@@ -264,10 +271,12 @@ def test_leader_killed_during_store_hit_burst(ha_server, ha_cluster, prompts, ha
     assert after_kill > 0, "the burst finished before the kill: nothing was tested"
     assert after_kill < 5.0, f"the burst waited {after_kill:.1f}s for the failover"
     hit_s, miss_s = first_store_hit(server, prompts[0], ha_truth[0], marks["kill"])
-    serving_s = round(marks["watch"]["serving_s"], 2)
+    serving_s = marks["watch"]()
+    # No order between hit_s and serving_s is asserted: the request's lookup and load come
+    # after it is sent, and the watcher sees the leader serve up to a poll late. The burst's
+    # -900 failures and the failover counted below show that the kill landed.
     print(f"new leader served {serving_s}s after the kill; store hits back at {hit_s}s "
           f"(a request sent at {miss_s}s had none)")
-    assert hit_s > serving_s, "a store hit before any master served: nothing was measured"
 
     new, (hits_after, saved, outputs) = hits_after_failover(ha_cluster, server, leader,
                                                            prompts, hits_before)
@@ -327,21 +336,27 @@ def test_failed_promotion_serves_by_recompute_and_recovers(ha_server, ha_cluster
         leader.kill()
         t_kill = time.monotonic()
         watch = serving_watch(cluster, leader, t_kill)
-        slowest = 0.0
+        slowest, rounds = 0.0, 0
+        loaded = metric_sum(server.metrics(), P + "load_jobs_total", status="ok")
         while len(standby.exits) == earlier or not prom.query(no_leader):
             assert time.monotonic() - t_kill < 120, "no failed promotion, or no alert"
             server.reset_prefix_cache()
             t = time.monotonic()
             assert [server.complete(p) for p in prompts] == ha_truth
             slowest = max(slowest, (time.monotonic() - t) / len(prompts))
+            rounds += 1
         alert_s = round(time.monotonic() - t_kill, 2)
+        # While the port is held no master can serve: the prompts, all in the store, were
+        # recomputed, not loaded.
+        assert rounds and metric_sum(server.metrics(), P + "load_jobs_total",
+                                     status="ok") == loaded
     assert standby.exits[earlier] == 255 and "Failed to start master service" in standby.log()
     print(f"promotion failed, alert expression true {alert_s}s after the kill; slowest "
           f"request meanwhile {slowest:.2f}s")
     assert slowest < 5.0, "requests waited for the master"
     hit_s, miss_s = first_store_hit(server, prompts[0], ha_truth[0], t_kill)
-    serving_s = round(watch["serving_s"], 2)
-    assert cluster.leader() is standby and hit_s > serving_s
+    serving_s = watch()  # no order with hit_s: see the leader-kill test
+    assert cluster.leader() is standby
     print(f"restarted master served {serving_s}s after the kill, store hits at {hit_s}s")
     record("serve_failed_promotion", {
         "what": "vllm serve + connector; the standby's RPC port held when the leader is "
