@@ -1,7 +1,8 @@
 """Scheduler side: prefix lookup in the store, and which blocks each step loads and saves.
 
-Lookups run on a small executor with the scheduler's own store client (no segment), so the
-engine loop never waits on the master for more than `lookup_wait_ms`; until the answer is in,
+Lookups run on a small executor with the scheduler's own store client (no segment), or the
+worker's where it runs in this process (connector.store.process_client), so the engine loop
+never waits on the master for more than `lookup_wait_ms`; until the answer is in,
 `get_num_new_matched_tokens` returns None and vLLM retries the request next step. A lookup that
 errors or exceeds `lookup_timeout_s` is a miss, never an exception in the engine.
 
@@ -114,6 +115,7 @@ class MooncakeStoreScheduler:
                                       on_probe_error=lambda: self.recorder.count(
                                           "master_probe_errors", 0))
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="mcpool-lookup")
+        self._closed = False  # shut down (once: a shared client counts its users' closes)
         self.gauges = GaugeRefresh(wake)  # idle steps while a worker's gauges move
         self._lookups: dict[str, _Lookup] = {}
         # Lookups started before vLLM asked (lookup_ahead): their prefixes' hashes.
@@ -617,6 +619,9 @@ class MooncakeStoreScheduler:
         """Cancel queued lookups; close the client once no lookup can still be inside a call
         on it, including those given up on (at once if the running ones end within
         `timeout`, else in the background)."""
+        if self._closed:
+            return
+        self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.gauges.shutdown()
         running = [f for f in (*(lk.future for lk in self._lookups.values()), *self._abandoned)

@@ -587,12 +587,16 @@ class StoreHandle:
         never waits on a frozen peer, and the client is never freed under a call. A shared
         handle only notes `wait_first` until its last user closes it."""
         with self._connect_lock:
+            if self._users == 0:  # closed already
+                return
             self._users -= 1
             self._waits += wait_first
             if self._users > 0:
                 return
             self._stop.set()
             client, self.client = self.client, None
+            # Nothing of its users is kept alive by a closed handle (their KV caches above all).
+            self._callbacks, self._on_probe_error = [], None
         if client is None:
             return
         waits = [*self._waits, *(t.join for t in self._threads if t.is_alive())]

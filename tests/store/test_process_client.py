@@ -9,8 +9,10 @@ client is closed by the last of its users, once the calls each of them waits for
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,7 @@ from connector.store.keys import KeyBuilder, Layout
 from connector.store.process_client import scheduler_store, worker_store
 from tests.conftest import ha_group, in_process_config
 from tests.store.test_kv_events_store import ask, request
-from tests.worker_kit import LAYERS, hashes, run_step
+from tests.worker_kit import LAYERS, hashes, run_step, settled_saves
 
 BS = 32
 BLOCKS = 4
@@ -105,3 +107,37 @@ def test_the_shared_client_closes_after_its_last_user_and_their_calls(master):
         assert again is not worker and again.ready() is not None
     finally:
         again.close()
+
+
+def test_a_scheduler_shut_down_twice_leaves_its_workers_client_open(master, store_node,
+                                                                    make_worker_on):
+    worker = make_worker_on(master, prefix="twice")
+    sched = MooncakeStoreScheduler(worker.config, KeyBuilder(
+        "twice", Layout("unit-model", "bfloat16", BS, 2, 32, LAYERS, 1)), BS)
+    sched.shutdown()
+    sched.shutdown()
+    hs = hashes("twice", 2)
+    done, errors = run_step(worker, StepMetadata(saves=(BlockTransfer("w", (0, 1), hs),),
+                                                 free_after_jobs=("w",)))
+    assert done == {"w"} and not errors
+    assert settled_saves(worker, 2)["save_keys|0"] == 2  # the client was open
+
+
+def test_a_closed_worker_handle_keeps_nothing_of_its_worker_alive(master):
+    cfg = load_config(master.store_config(), environ={}).store
+
+    class Worker:  # what the handle's callbacks refer to: the KV caches, in a real worker
+        def registered(self, client) -> None:
+            pass
+
+    owner = Worker()
+    handle = worker_store(cfg, cfg, 0, 16 * 2**20, "fail", 2.0,
+                          on_probe_error=lambda o=owner: o)
+    handle.on_connect(owner.registered)
+    sched = scheduler_store(cfg, 0, 2**20, "fail", 2.0)
+    alive = weakref.ref(owner)
+    handle.close()
+    sched.close()
+    del owner
+    gc.collect()
+    assert alive() is None  # though the scheduler still holds the handle
