@@ -17,7 +17,8 @@ prints `LISTENING <port>` once it accepts connections.
 For fault tests, each line on its stdin sets the mode (`DelayProxy.set_mode`): `forward` (the
 default); `drop`, a black hole that keeps every connection open and discards what is sent either
 way (a request lost this way is never retransmitted, so its call waits for its RPC timeout even
-after `forward` again); or `garbage:<kind>`, where each new connection gets one canned HTTP
+after `forward` again; the line `dropped` answers `DROPPED <n>`, the chunks discarded so far);
+or `garbage:<kind>`, where each new connection gets one canned HTTP
 answer from `GARBAGE` (an etcd gateway answering nonsense) while open ones keep forwarding.
 """
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 HOST = "127.0.0.1"
 _CHUNK = 1 << 16
 _mode = "forward"  # set from stdin by _read_modes
+_dropped = 0  # chunks discarded in `drop` mode
 
 # Answers a broken etcd gateway may give: no HTTP at all, a body cut short, JSON of the wrong
 # shape, and a master view that is not host:port.
@@ -53,10 +55,13 @@ def _pump(src: socket.socket, dst: socket.socket, one_way_s: float, bytes_per_s:
     pending: queue.SimpleQueue[tuple[float, bytes] | None] = queue.SimpleQueue()
 
     def reader() -> None:
+        global _dropped
         try:
             while data := src.recv(_CHUNK):
                 if _mode != "drop":
                     pending.put((time.perf_counter() + one_way_s, data))
+                else:
+                    _dropped += 1
         except OSError:
             pass
         pending.put(None)
@@ -108,6 +113,9 @@ def _handle(client: socket.socket, target: tuple[str, int], one_way_s: float,
 def _read_modes() -> None:
     global _mode
     for line in sys.stdin:
+        if line.strip() == "dropped":
+            print(f"DROPPED {_dropped}", flush=True)
+            continue
         _mode = line.strip()
         print(f"MODE {_mode}", flush=True)
 
@@ -159,6 +167,12 @@ class DelayProxy:
         self.proc.stdin.write(mode + "\n")
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == f"MODE {mode}"
+
+    def dropped(self) -> int:
+        """How many chunks `drop` mode has discarded (a request sent into the black hole)."""
+        self.proc.stdin.write("dropped\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline().removeprefix("DROPPED "))
 
     def stop(self) -> None:
         from devkit.processes import stop_process

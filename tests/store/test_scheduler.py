@@ -417,15 +417,20 @@ def test_lookups_wait_for_the_layout_of_every_rank(master, store_node, store_cli
 def test_frozen_master_lookup_times_out_and_shutdown_waits_for_its_call(monkeypatch):
     """A frozen master (SIGSTOP: TCP open, nothing answers) holds the lookup's call: the
     request is a timeout miss after lookup_timeout_s, and shutdown() closes the client only
-    once that call has returned, although the lookup was already given up on."""
+    once that call has returned, although the lookup was already given up on. The call starts
+    on arrival, awaited before vLLM asks: asked first, a lookup thread not scheduled within
+    lookup_timeout_s started past its deadline and made no call, and the test failed."""
     monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "60000")  # the call waits until SIGCONT
     live = MooncakeMaster().start()
     try:
         s = make(live, lookup_timeout_s=0.3, lookup_wait_ms=1)
         client = s._store.client = CallRecorder(s._store.client)
         freeze(live.proc)
+        req = request("x", hashes("x", 4), 4 * BS + 1)
+        s.prefetch(req)  # no deadline until vLLM asks
+        wait_until(lambda: client.in_flight == 1, 10, "the lookup's call never started")
         t0 = time.monotonic()
-        assert ask(s, request("x", hashes("x", 4), 4 * BS + 1)) == (0, False)
+        assert ask(s, req) == (0, False)
         assert 0.3 <= time.monotonic() - t0 < 10
         assert lookup_counts(s) == {"lookups|timeout": 1}
         assert client.in_flight == 1  # its call still waits on the frozen master
@@ -511,22 +516,35 @@ def test_a_flood_of_arrivals_looks_ahead_a_bounded_way(master, store_node, store
     last one (a priority, or a queue it reaches out of order): its lookup waits behind at most
     `lookup_ahead` (16 by default) lookups of requests not asked about yet, not behind all 300
     (two lookup threads: about 3 s, past its 1 s deadline, a stored prefix recomputed). The
-    others start theirs in arrival order as earlier ones are asked about or finish."""
+    others start theirs in arrival order as earlier ones are asked about or finish.
+
+    What is checked is how many lookups' store calls began before the target's (at most
+    `lookup_ahead`), not the 1 s deadline it used to meet: its lookup took up to 0.6 s here,
+    and a busy host made it a timeout. The deadline is far, so no lookup times out."""
     from bench.proxy import DelayProxy
 
     proxy = DelayProxy(master.address, rtt_ms=20.0).start()
-    s = make(master, master_server_address=proxy.address, lookup_timeout_s=1.0,
+    s = make(master, master_server_address=proxy.address, lookup_timeout_s=30.0,
              lookup_wait_ms=1)
     try:
         flood = [request(f"f{i}", hashes(f"flood{i}", 4), 4 * BS + 1) for i in range(300)]
         hs = hashes("asked-first", 4)
         store_blocks(store_client, s, hs)
+        target_keys, calls = set(s._keys.keys(hs, 0)), []  # calls: each one the target's?
+
+        class Ordered(CallRecorder):
+            def batch_is_exist(self, keys: list[str]) -> list[int]:
+                calls.append(not target_keys.isdisjoint(keys))
+                return self._client.batch_is_exist(keys)
+
+        s._store.client = Ordered(s._store.require())
         target = request("first", hs, 4 * BS + 1)
         for r in (*flood, target):
             s.prefetch(r)
         assert len(s._lookups) == s.config.lookup_ahead == 16  # the rest wait for a turn
         assert s.recorder.snapshot().data["c"]["lookups_deferred"] == 301 - 16  # on /metrics
         assert ask(s, target) == (4 * BS, True), lookup_counts(s)
+        assert calls.index(True) <= s.config.lookup_ahead, calls.index(True)  # lookups ahead
         for r in flood[:20]:  # vLLM reaches the head of the queue: turns pass down it
             ask(s, r)
         assert set(s._lookups) >= {r.request_id for r in flood[20:36]}, sorted(s._lookups)

@@ -79,7 +79,9 @@ def test_close_waits_for_calls_in_flight(master):
 def test_stale_rpc_failure_does_not_reopen_a_closed_breaker(master, monkeypatch):
     """A call sent into a black hole (a proxy that drops its bytes: no retransmission) is in
     flight through an outage; the probe closes the breaker; then the call returns its -901.
-    That failure predates the recovery: the breaker stays closed."""
+    That failure predates the recovery: the breaker stays closed. The outage begins once the
+    proxy has dropped the call's request: after a fixed 0.3 s, a call not sent by then (a busy
+    host) went through on `forward` and answered, and the test failed."""
     from bench.proxy import DelayProxy
 
     monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "3000")
@@ -97,7 +99,7 @@ def test_stale_rpc_failure_does_not_reopen_a_closed_breaker(master, monkeypatch)
 
         caller = threading.Thread(target=old_call)
         caller.start()
-        time.sleep(0.3)  # its request is gone
+        wait_until(lambda: proxy.dropped() > 0, 10, "the call's request never reached the proxy")
         h.trip(-901)  # another call failed meanwhile: the outage
         proxy.set_mode("forward")
         wait_until(lambda: h.ready() is not None, 10, "the probe never closed the breaker")

@@ -1,7 +1,13 @@
 """The job pool on its own (no store): one shared queue, deadlines, stuck threads replaced
 within a bound, memory accesses that nothing interrupts, drops, parking, and a shutdown that
 fails queued jobs at once. Timing is awaited as conditions; the few waits on the clock itself
-are relative to a job's own deadline, which is what they test."""
+are relative to a job's own deadline, which is what they test.
+
+A job that must run is submitted with a far deadline (`submit_unhurried`), and one that must
+go past its deadline while it runs has it moved from its handler (`deadline_from_start`): with
+the pool's own deadline (its bound, 50-200 ms here) counted from submission, a pool thread not
+scheduled for that long on a busy host (CI: 2 cores, 4 test workers) found the job expired in
+the queue, and the test failed on correct code."""
 
 from __future__ import annotations
 
@@ -17,6 +23,23 @@ def wait_until(cond, timeout: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def submit_unhurried(pool: RecvPool, job, deadline_s: float = 10.0) -> None:
+    """Submit `job` with its deadline `deadline_s` away instead of the pool's bound (a watchdog
+    tick that reads the bound meanwhile retires nothing: the next one does)."""
+    bound, pool._deadline_s = pool._deadline_s, deadline_s
+    try:
+        pool.submit(job)
+    finally:
+        pool._deadline_s = bound
+
+
+def deadline_from_start(ticket, seconds: float) -> None:
+    """From a handler: the job's deadline `seconds` after its thread took it, however long it
+    waited in the queue."""
+    with ticket._lock:
+        ticket.deadline = ticket.started + seconds
 
 
 class Recorder:
@@ -38,19 +61,23 @@ class Recorder:
 
 
 def test_a_job_stuck_past_its_deadline_is_reported_and_its_thread_replaced():
+    """The stuck job's deadline counts from its start (the bound, as for a job taken at once),
+    and the next one has a deadline it cannot miss: with 0.2 s from submission, a replacement
+    thread not scheduled within 0.2 s let it expire, and the test failed on correct code."""
     rec, release = Recorder(), threading.Event()
 
     def handler(job, slot, ticket):
         if job == "stuck":
+            deadline_from_start(ticket, 0.2)
             release.wait()
         if ticket.finish():
             rec.done.append(job)
 
     pool = RecvPool(1, handler, deadline_s=0.2, on_expire=rec.expire, on_retire=rec.retire)
-    pool.submit("stuck")
+    submit_unhurried(pool, "stuck")
     wait_until(lambda: rec.expired == [("stuck", "timeout")] and pool.replaced == 1)
     assert pool.stuck == 1 and rec.slots["stuck"] == 0  # reported as thread 0's job
-    pool.submit("next")  # the slot's replacement thread serves it
+    submit_unhurried(pool, "next")  # the slot's replacement thread serves it
     wait_until(lambda: rec.done == ["next"])
     release.set()  # the call returns: its result is dropped, its thread retires
     wait_until(lambda: pool.stuck == 0 and rec.retired == 1)
@@ -82,7 +109,7 @@ def test_a_call_stuck_at_its_expiry_is_retired_even_if_the_expiry_ends_it():
 
     pool = RecvPool(1, handler, deadline_s=1.0, on_expire=on_expire,
                     on_replace=lambda: replaced.append(1))
-    pool.submit("stuck")
+    submit_unhurried(pool, "stuck")  # its handler sets its deadline
     wait_until(lambda: rec.expired == [("stuck", "timeout")])
     wait_until(lambda: replaced == [1], 2.0)
     assert pool.replaced == 1
@@ -91,18 +118,23 @@ def test_a_call_stuck_at_its_expiry_is_retired_even_if_the_expiry_ends_it():
 
 
 def test_nothing_expires_a_job_while_it_touches_vllm_memory():
+    """The job passes its deadline inside its call, and finishes there: on a slow host, a
+    thread that reached touching() past a deadline counted from submission was refused, and a
+    tick between the block's exit and finish() (rightly) expired the job."""
     rec, touching, release = Recorder(), threading.Event(), threading.Event()
 
     def handler(job, slot, ticket):
         with ticket.touching() as ok:
             assert ok
+            with ticket._lock:
+                ticket.deadline = time.monotonic()  # past its deadline from here on
             touching.set()
             release.wait()  # a long zero-copy call into memory vLLM owns
-        if ticket.finish():
-            rec.done.append(job)
+            if ticket.finish():
+                rec.done.append(job)
 
     pool = RecvPool(1, handler, deadline_s=0.1, on_expire=rec.expire)
-    pool.submit("w")
+    submit_unhurried(pool, "w")
     assert touching.wait(2)
     # Past the bound the thread counts as stuck and is replaced, and the job (past its
     # deadline since before then) is still not expired, nor dropped.
@@ -117,24 +149,28 @@ def test_nothing_expires_a_job_while_it_touches_vllm_memory():
 def test_a_chain_of_touching_calls_stops_at_the_deadline():
     """A chunked zero-copy get (or a save of several buffer-fulls) enters touching() once per
     call: no call may start past the job's deadline, so the job ends within its deadline plus
-    the one call under way then, reported once as a timeout."""
+    the one call under way then, reported once as a timeout. The deadline counts from the
+    first call's start: from submission, a thread not scheduled for 0.35 s started none."""
     rec, starts, deadlines = Recorder(), [], []
 
     def handler(job, slot, ticket):
-        deadlines.append(ticket.deadline)
         for _ in range(20):
             with ticket.touching() as ok:
                 if not ok:
                     break
+                if not deadlines:
+                    with ticket._lock:
+                        ticket.deadline = time.monotonic() + 0.35
+                    deadlines.append(ticket.deadline)
                 starts.append(time.monotonic())
                 time.sleep(0.1)  # one store call into vLLM's memory
         if ticket.finish():
             rec.done.append(job)
 
     pool = RecvPool(1, handler, deadline_s=0.35, on_expire=rec.expire)
-    pool.submit("chunked")
+    submit_unhurried(pool, "chunked")
     wait_until(lambda: rec.expired or rec.done, 10)
-    wait_until(lambda: pool.inflight[0] == 0)
+    wait_until(lambda: pool.idle)  # the handler returned (retired or not: inflight may lag)
     print(f"{len(starts)} calls, the last started {starts[-1] - deadlines[0]:+.3f}s "
           "from the deadline")
     assert rec.done == [] and rec.expired == [("chunked", "timeout")]
@@ -178,6 +214,7 @@ def test_the_watchdog_survives_a_failing_replacement_and_a_raising_callback(monk
 
     def handler(job, slot, ticket):
         if job == "stuck":
+            deadline_from_start(ticket, 0.2)  # ahead of later's in the watchdog's order
             release.wait()
         ticket.finish()
 
@@ -194,8 +231,9 @@ def test_the_watchdog_survives_a_failing_replacement_and_a_raising_callback(monk
         real_spawn(slot)
 
     monkeypatch.setattr(pool, "_spawn", spawn)
-    pool.submit("stuck")
-    wait_until(lambda: fails and pool.replaced == 1)  # failed once, then replaced
+    submit_unhurried(pool, "stuck")  # expired in the queue, it would leave no thread stuck
+    # Failed once, then replaced; and expired (its handler ran: the swap below is not its).
+    wait_until(lambda: fails and pool.replaced == 1 and rec.expired == [("stuck", "timeout")])
     pool.set_active(1)  # the next job goes to slot 0, whose thread is the replacement
 
     release2 = threading.Event()
@@ -245,12 +283,13 @@ def test_an_expired_job_may_not_start_touching():
     release = threading.Event()
 
     def handler(job, slot, ticket):
+        deadline_from_start(ticket, 0.1)  # expired in the queue, it would never run
         release.wait()
         with ticket.touching() as ok:
             results.append(ok)
 
     pool = RecvPool(1, handler, deadline_s=0.1, on_expire=rec.expire)
-    pool.submit("late")
+    submit_unhurried(pool, "late")
     wait_until(lambda: rec.expired)
     release.set()
     wait_until(lambda: results)
@@ -272,7 +311,7 @@ def test_a_queued_job_past_its_deadline_never_starts(monkeypatch):
         ticket.finish()
 
     pool = RecvPool(1, handler, deadline_s=0.2, on_expire=rec.expire)
-    pool.submit("first")
+    submit_unhurried(pool, "first")  # taken late, it must still start
     pool.submit("queued")
     wait_until(lambda: started == ["first"])
     queued_deadline = pool._jobs[0].deadline
@@ -285,7 +324,11 @@ def test_a_queued_job_past_its_deadline_never_starts(monkeypatch):
 
 def test_a_thread_is_stuck_only_when_its_own_call_outlives_the_bound():
     """A job dequeued just before its deadline runs past it: it is expired (the request goes
-    on), but its thread's call is short, so the thread is healthy: not retired, not replaced."""
+    on), but its thread's call is short, so the thread is healthy: not retired, not replaced.
+
+    "second" waits half the bound in the queue and runs the other half: each margin (first's
+    call, second's start before its deadline, second's call) is half the bound, 1.5 s. With
+    0.3 s of margin, a thread not scheduled for that long retired one of them."""
     rec, release_first, release_second = Recorder(), threading.Event(), threading.Event()
     finished = []
 
@@ -293,15 +336,15 @@ def test_a_thread_is_stuck_only_when_its_own_call_outlives_the_bound():
         (release_first if job == "first" else release_second).wait()
         finished.append((job, ticket.finish()))
 
-    deadline_s = 2.0
+    deadline_s = 3.0
     pool = RecvPool(1, handler, deadline_s=deadline_s, on_expire=rec.expire)
     pool.submit("first")
     pool.submit("second")
     second = pool._jobs[0]
-    wait_until(lambda: time.monotonic() > second.deadline - 0.3)
-    release_first.set()  # "second" starts 0.3 s before its deadline
+    wait_until(lambda: time.monotonic() > second.deadline - deadline_s / 2)
+    release_first.set()  # "second" starts half the bound before its deadline
     wait_until(lambda: rec.expired == [("second", "timeout")])
-    release_second.set()  # its call took ~0.3 s + a tick: well inside the bound
+    release_second.set()  # its call took half the bound + a tick: inside the bound
     wait_until(lambda: len(finished) == 2)
     assert finished == [("first", True), ("second", False)]
     assert pool.replaced == 0 and pool.stuck == 0 and rec.slots["second"] == 0
@@ -309,18 +352,21 @@ def test_a_thread_is_stuck_only_when_its_own_call_outlives_the_bound():
 
 
 def test_stuck_threads_are_bounded_and_the_queue_holds_no_expired_tickets():
+    """Jobs 0-3 must run (expired in the queue, they would leave no thread stuck): deadlines
+    from their start; 4-7 are never taken, and expire at the pool's."""
     rec, release = Recorder(), threading.Event()
 
     def handler(job, slot, ticket):
+        deadline_from_start(ticket, 0.1)
         release.wait()
         ticket.finish()
 
     pool = RecvPool(2, handler, deadline_s=0.1, on_expire=rec.expire)
-    pool.submit(0)
-    pool.submit(1)
+    submit_unhurried(pool, 0)
+    submit_unhurried(pool, 1)
     wait_until(lambda: pool.stuck == 2 and pool.replaced == 2)
-    pool.submit(2)
-    pool.submit(3)  # the replacements take these and get stuck too: no more replacements
+    submit_unhurried(pool, 2)
+    submit_unhurried(pool, 3)  # the replacements take these and get stuck too: no more ones
     wait_until(lambda: pool.inflight == [1, 1])
     for i in range(4, 8):
         pool.submit(i)
@@ -339,25 +385,29 @@ def test_stuck_threads_are_bounded_and_the_queue_holds_no_expired_tickets():
 def test_a_call_held_while_the_stuck_budget_was_full_is_retired_once_room_frees():
     """A slot's thread hangs and is replaced; the replacement hangs too while the first still
     holds the budget (one stuck thread per slot). Once the first call returns, the second is
-    retired and replaced as well: its slot serves the queue again without waiting for it."""
+    retired and replaced as well: its slot serves the queue again without waiting for it.
+
+    Every job must run: a and b have their deadlines from their start, just past the bound
+    (so the tick that expires b has found its call past the bound), "next" a far one."""
     rec, gates = Recorder(), {j: threading.Event() for j in ("a", "b")}
 
     def handler(job, slot, ticket):
         if job in gates:
+            deadline_from_start(ticket, 0.2 + 1e-6)
             gates[job].wait()
         if ticket.finish():
             rec.done.append(job)
 
     pool = RecvPool(1, handler, deadline_s=0.2, on_expire=rec.expire)
     try:
-        pool.submit("a")
+        submit_unhurried(pool, "a")
         wait_until(lambda: pool.replaced == 1)  # a's thread retired
-        pool.submit("b")  # the replacement takes it and hangs: the budget is full
+        submit_unhurried(pool, "b")  # the replacement takes it and hangs: the budget is full
         wait_until(lambda: ("b", "timeout") in rec.expired)
         assert pool.replaced == 1 and pool.stuck == 1
         gates["a"].set()  # the first stuck call returns: room for one more
         wait_until(lambda: pool.replaced == 2)
-        pool.submit("next")
+        submit_unhurried(pool, "next")
         wait_until(lambda: rec.done == ["next"])  # served while b's call still hangs
     finally:
         for g in gates.values():
@@ -366,16 +416,19 @@ def test_a_call_held_while_the_stuck_budget_was_full_is_retired_once_room_frees(
 
 
 def test_retired_threads_are_forgotten():
-    """Many stuck-and-replaced cycles: the pool keeps no list of dead threads."""
+    """Many stuck-and-replaced cycles: the pool keeps no list of dead threads. Each job's
+    deadline counts from its start: from submission (50 ms), a fresh thread not scheduled in
+    time let it expire in the queue, and no thread was stuck."""
     rec, gates = Recorder(), [threading.Event() for _ in range(20)]
 
     def handler(job, slot, ticket):
+        deadline_from_start(ticket, 0.05)
         gates[job].wait()
         ticket.finish()
 
     pool = RecvPool(1, handler, deadline_s=0.05, on_expire=rec.expire)
     for i in range(20):
-        pool.submit(i)
+        submit_unhurried(pool, i)
         wait_until(lambda i=i: pool.replaced == i + 1)  # job i's thread was retired
         gates[i].set()
         wait_until(lambda: pool.stuck == 0)
@@ -384,11 +437,14 @@ def test_retired_threads_are_forgotten():
 
 
 def test_drop_expires_queued_and_running_jobs_but_not_one_touching_memory():
+    """A running job is reported with the slot that ran it: either thread may take the first
+    job (slot 0's was taken for granted, and slot 1's thread came first on a busy host)."""
     rec, in_touch, in_call, release = (Recorder(), threading.Event(), threading.Event(),
                                        threading.Event())
-    touched = []
+    touched, ran_on = [], {}
 
     def handler(job, slot, ticket):
+        ran_on[job] = slot
         if job == "touching":
             with ticket.touching() as ok:
                 in_touch.set()
@@ -409,7 +465,8 @@ def test_drop_expires_queued_and_running_jobs_but_not_one_touching_memory():
     assert pool.drop(lambda job: True, "abandoned", running=False) == 1
     assert rec.expired == [("queued", "abandoned")] and pool.depth() == 0
     assert pool.drop(lambda job: True, "abandoned") == 1
-    assert rec.expired[-1] == ("running", "abandoned") and rec.slots["running"] == 1
+    assert rec.expired[-1] == ("running", "abandoned")
+    assert rec.slots["running"] == ran_on["running"] != ran_on["touching"]
     release.set()
     wait_until(lambda: touched)
     assert touched == [False]  # dropped: it may no longer touch the memory
@@ -430,7 +487,7 @@ def test_close_fails_queued_jobs_at_once_and_returns_the_stuck_threads():
     wait_until(lambda: pool.inflight[0] == 1 and pool.depth() == 4)
     t0 = time.monotonic()
     stuck = pool.close(0.2)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0  # 0.2 s of join: 1.8 s for a busy host
     assert sorted(rec.expired) == [(i, "shutdown") for i in range(1, 5)]
     assert len(stuck) == 1 and stuck[0].is_alive()
     pool.submit(9)  # after close: failed at once, never queued
@@ -444,7 +501,8 @@ def test_close_returns_every_thread_inside_a_call_and_starts_none_while_draining
     """A call stuck past the bound while the pool drains at shutdown: no fresh thread takes
     the queued job (it fails: its deadline passes in the drain), and every thread still inside
     a call is among those close() returns (the caller closes the store client only once they
-    have returned)."""
+    have returned). The bound (1 s) leaves the test 0.9 s to begin closing before the call is
+    found stuck: with 0.2 s, a test thread not scheduled for 0.1 s saw it replaced."""
     rec, release = Recorder(), threading.Event()
     inside: set[threading.Thread] = set()
 
@@ -452,12 +510,12 @@ def test_close_returns_every_thread_inside_a_call_and_starts_none_while_draining
         inside.add(threading.current_thread())
         release.wait()
 
-    pool = RecvPool(1, handler, deadline_s=0.2, on_expire=rec.expire)
+    pool = RecvPool(1, handler, deadline_s=1.0, on_expire=rec.expire)
     pool.submit(0)
     wait_until(lambda: pool.inflight[0] == 1)
     time.sleep(0.1)
     pool.submit(1)  # queued, within its deadline when the stuck thread is retired
-    busy = pool.close(0.1, drain=1.0)
+    busy = pool.close(0.1, drain=2.0)  # both deadlines pass in the drain
     try:
         assert inside <= set(busy), (inside, busy)
         assert len(inside) == 1 and pool.replaced == 0
