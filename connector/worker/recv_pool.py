@@ -306,6 +306,8 @@ class RecvPool(Generic[J]):
                     return ticket, True
                 ticket.state, ticket.slot, ticket.started = RUNNING, slot, now
                 self._current[me] = ticket
+                # With the lock: a retirement from now on finds it set, and clears it.
+                self.inflight[slot] = self._busy[slot] = 1
                 return ticket, False
 
     def _run(self, slot: int) -> None:
@@ -317,7 +319,6 @@ class RecvPool(Generic[J]):
             if late:
                 self._expire_now(ticket.job, TIMEOUT, None)
                 continue
-            self.inflight[slot] = self._busy[slot] = 1
             try:
                 self._handler(ticket.job, slot, ticket)
             except Exception:  # the handler reports its own failures; keep serving the queue

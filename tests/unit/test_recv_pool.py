@@ -551,3 +551,25 @@ def test_inherited_cpus_names_the_binding_a_pool_thread_would_get():
     assert seen["one"] == f"CPUs 0 of {os.cpu_count()}"
     assert seen["pool"] == {0}
     assert seen["two"] == f"CPUs 0-1 of {os.cpu_count()}"
+
+
+def test_a_thread_retired_before_its_job_began_leaves_no_call_in_flight(monkeypatch):
+    """A thread stalled between taking a job and calling its handler, past the bound, is
+    retired; its slot's in-flight gauge is cleared then. Set after that, by the thread once it
+    ran on, it stayed at 1 for good (the retired thread never clears it)."""
+    took = RecvPool._next
+
+    def stalled(self, slot):
+        ticket, late = took(self, slot)
+        if ticket is not None and ticket.job == "stalled":
+            wait_until(lambda: self.replaced == 1)  # the watchdog retired this thread
+        return ticket, late
+
+    monkeypatch.setattr(RecvPool, "_next", stalled)
+    done = []
+    pool = RecvPool(1, lambda job, slot, ticket: ticket.finish() and done.append(job),
+                    deadline_s=0.1)
+    pool.submit("stalled")
+    wait_until(lambda: pool.stuck == 0 and pool.replaced == 1)  # it ran on, then exited
+    assert pool.inflight == [0]
+    pool.close(1.0)
