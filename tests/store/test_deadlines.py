@@ -230,7 +230,8 @@ def test_staged_save_of_three_buffers_lets_a_preemption_go_at_once(make_worker_o
         for t in caches.values():  # the blocks go to another request
             t[:, 0:6] = -1.0
         print(f"handle_preemptions took {took:.3f}s")
-        assert took < 1.0, f"the preemption waited {took:.2f}s for a staged put"
+        # A frozen put takes transfer_timeout (20 s); memory speed, even on a busy host, < 5 s.
+        assert took < 5.0, f"the preemption waited {took:.2f}s for a staged put"
         assert not w.ledger.in_flight("p")
     finally:
         thaw(node.proc)
