@@ -436,10 +436,6 @@ class StoreHandle:
             if self.client is not None:
                 callback(self.client)
 
-    @property
-    def closed(self) -> bool:
-        return self._stop.is_set()
-
     def share(self) -> bool:
         """One more user of this handle (its client, breaker and probe), if it is not closed
         yet: that user closes it too, and the client stays open until the last one has."""
