@@ -329,6 +329,11 @@ class StoreEventLog:
         self._planned: OrderedDict[Key, _Run] = OrderedDict()
         self._ranks: dict[Key, int] = {}
         self._plans: dict[str, list[_Run]] = {}  # each request's planned runs, until settled
+        # settled saves' blocks not reported landed by every rank: a save past its deadline is
+        # settled (its blocks went back to vLLM) while its put may still store them, and its
+        # ranks' reports come after. Kept, oldest out first, so such a block is announced
+        # when they do (its rank bits stay in `_ranks`); one that never lands ages out.
+        self._late: OrderedDict[Key, _Run] = OrderedDict()
         self._everyone = (1 << tp_size) - 1  # the ranks bits of a block every rank reported
         # announced blocks -> (when the store was last seen holding it, the run it was
         # announced from: one tuple per run announced together, shared by its blocks)
@@ -357,12 +362,16 @@ class StoreEventLog:
             return
         runs = [run for run, _, _ in _runs_of(request, indices, group, self._block_size)]
         with self._lock:
-            planned, ranks = self._planned, self._ranks
+            planned, ranks, late = self._planned, self._ranks, self._late
             for run in runs:
                 keys = _keys(group, run.hashes)
                 for key in list(filter(planned.__contains__, keys)):
                     del planned[key]  # planned again: a fresh attempt, last in line
                     ranks.pop(key, None)
+                if late:
+                    for key in list(filter(late.__contains__, keys)):
+                        del late[key]
+                        ranks.pop(key, None)
                 for key in keys:  # faster than OrderedDict.update
                     planned[key] = run
             self._plans.setdefault(request.request_id, []).extend(runs)
@@ -374,17 +383,23 @@ class StoreEventLog:
                 self._count("kv_events_dropped", "stored")
 
     def settled(self, req_id: str) -> None:
-        """Every rank finished `req_id`'s saves: its blocks that not every rank reported were
-        not stored (each failure is counted in save_error_keys), and are never announced."""
+        """Every rank finished `req_id`'s saves: its blocks that not every rank reported are
+        not stored yet. Most never will be (each failure is counted in save_error_keys), but
+        a save that ran past its deadline is finished while its put goes on, and what that
+        put stores is reported later: those blocks wait in `_late` for their reports."""
         with self._lock:
-            planned = self._planned
+            planned, late = self._planned, self._late
             for run in self._plans.pop(req_id, ()):
                 keys = _keys(run.group, run.hashes)
                 mine = map(operator.is_, map(planned.get, keys), itertools.repeat(run))
                 for key in list(itertools.compress(keys, mine)):
                     del planned[key]
-                    self._ranks.pop(key, None)
+                    late.pop(key, None)
+                    late[key] = run
                 self._cut(run)  # some of it landed at most: what did is all it keeps
+            while len(late) > self.settings.queue:  # never landed: not news, not counted
+                key, _ = late.popitem(last=False)
+                self._ranks.pop(key, None)
 
     def landed(self, records: Iterable[tuple[int, int, Sequence[bytes]]]) -> None:
         """Workers' reports, (rank, group, block hashes) each: a block whose every rank
@@ -400,11 +415,15 @@ class StoreEventLog:
         pieces: list[Piece] = []
         landed: list[Key] = []  # their blocks' keys, in order
         with self._lock:
+            late = self._late
             for (group, hashes), ranks in jobs.items():
                 keys = _keys(group, hashes)
-                # A block not planned was announced already (a repeat), settled, or dropped.
+                # A block neither planned nor late was announced already (a repeat) or dropped.
                 if ranks == everyone:  # every rank's report came in this step: all landed
                     got = list(map(planned.pop, keys, itertools.repeat(None)))
+                    if late and None in got:
+                        got = [run if run is not None else late.pop(key, None)
+                               for key, run in zip(keys, got, strict=True)]
                     if partial:
                         for key in keys:
                             partial.pop(key, None)
@@ -415,12 +434,15 @@ class StoreEventLog:
                 runs: list[_Run] = []
                 positions: list[int] = []
                 for key, h in zip(keys, hashes, strict=True):
+                    waits = planned
                     run = planned.pop(key, None)
+                    if run is None and late:
+                        waits, run = late, late.pop(key, None)
                     if run is None:
                         continue
                     bits = ranks | partial.pop(key, 0)
                     if bits != everyone:  # some ranks still to report: back in line, last
-                        planned[key], partial[key] = run, bits
+                        waits[key], partial[key] = run, bits
                         continue
                     runs.append(run)
                     positions.append(run.index()[h])
@@ -551,6 +573,7 @@ class StoreEventLog:
         with self._lock:
             self._withdrawn = True
             self._planned.clear()
+            self._late.clear()
             self._ranks.clear()
             self._plans.clear()
             self._repeat.clear()

@@ -913,6 +913,8 @@ class MooncakeStoreWorker:
         event, reason = (got, first) if isinstance(got, SaveEvent) else (first, got)
         if event.failed_keys:
             event = replace(event, code=reason, failed_op="save")
+        elif not event.code:  # its put stored every key after all: the store takes saves
+            self._saves_failing = False
         self.events.save(event)
 
     def _settle_saves_in_calls(self) -> int:

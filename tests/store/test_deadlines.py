@@ -17,12 +17,17 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.distributed.kv_events import BlockStored
 
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.observability.events import LoadEvent, Subscriber
+from connector.observability.kv_event_settings import EventSettings
+from connector.observability.kv_events import StoreEventLog, WorkerLanded, external_hashes
 from connector.store.client import TIMEOUT_ENV
 from connector.worker import recv_pool
 from connector.worker.worker import SHUTDOWN_BOUND_S
@@ -32,6 +37,7 @@ from tests.worker_kit import hashes, kv_caches, run_step, wait_until
 TIMEOUT_S = 1.0
 STAGED = {"staging": "on", "staging_buffer_size": 2 * 16 * 1024}  # 2 blocks per call
 ZERO_COPY = {"staging": "off"}
+BLOCK = 32  # tokens per block of worker_kit's caches
 
 
 @pytest.fixture(scope="module")
@@ -397,12 +403,15 @@ def test_shutdown_counts_and_logs_the_saves_it_loses(make_worker_on, cluster, ca
     assert "nor 2 of saves still in a store call" in lines[0], lines
 
 
-def expired_in_its_put(make_worker_on, master, prefix: str, transfer_timeout: float):
-    """A staged save of two buffer-fulls on a frozen store node (the caller's), past its
-    deadline while its thread is in its first put: its request released, its report waiting
-    for the put. The worker, and a function that adds up its counters from then on."""
+def expired_in_its_put(make_worker_on, master, prefix: str, transfer_timeout: float,
+                       on_landed=None, blocks: int = 4):
+    """A staged save of `blocks` (two buffer-fulls by default) on a frozen store node (the
+    caller's), past its deadline while its thread is in its first put: its request released,
+    its report waiting for the put. The worker, and a function that adds up its counters from
+    then on."""
     w = make_worker_on(master, caches=kv_caches(seed=7), prefix=prefix, save_timeout_s=TIMEOUT_S,
                        transfer_timeout=transfer_timeout, **STAGED)
+    w.on_landed = on_landed
     w.recorder.snapshot()
     total: dict = {}
 
@@ -413,7 +422,8 @@ def expired_in_its_put(make_worker_on, master, prefix: str, transfer_timeout: fl
         return total
 
     w.note_free_after(StepMetadata(free_after_jobs=("s",)))
-    w.start_save(StepMetadata(saves=(BlockTransfer("s", (0, 1, 2, 3), hashes(prefix, 4)),)))
+    w.start_save(StepMetadata(saves=(BlockTransfer("s", tuple(range(blocks)),
+                                                   hashes(prefix, blocks)),)))
     wait_until(lambda: "s" in (w.get_finished()[0] or ()), 10, "the save was never released")
     assert w.save_pool.expired == 1 and w.save_pool.inflight[0] + w.save_pool.stuck, \
         "the save is not in its put past its deadline"
@@ -433,6 +443,46 @@ def test_a_save_past_its_deadline_whose_put_then_fails_counts_as_a_timeout(make_
     assert (c.get("save_keys|0", 0), c["save_error_keys|0"]) == (0, 4), c
     assert [k for k in c if k.startswith("failures|")] == ["failures|0|save|timeout"], c
     assert c["failures|0|save|timeout"] == 1, c
+
+
+@pytest.mark.parametrize("blocks", [4, 2])
+def test_blocks_a_save_stores_past_its_deadline_are_announced_to_routers(make_worker_on,
+                                                                        cluster, blocks):
+    """With store KV events on, a staged save past its deadline lets its request go (the
+    scheduler settles its saves) while its put goes on; the put then stores the first
+    buffer-full. Those blocks are in the store and a router must hear of them: before, the
+    late report found nothing planned and they were never announced. The rest, if any (4
+    blocks are two buffer-fulls), never landed and is never announced. A save whose late put
+    stored every key ends the worker's saves-failing state (in which queued saves of finished
+    requests are dropped); before, only a later save did."""
+    master, node = cluster
+    counts: Counter = Counter()
+
+    def count(family: str, *labels: object, n: int = 1) -> None:
+        counts[(family, *labels)] += n
+
+    landed = WorkerLanded(0, 1000, count)
+    log = StoreEventLog(EventSettings("STORAGE", None, 0.0, "", 1000, 1000), 1, BLOCK,
+                        lambda hs, g: [h.hex() for h in hs], 1, count)
+    prefix = f"late-lands-{blocks}"
+    hs = hashes(prefix, blocks)
+    req = SimpleNamespace(request_id="s", block_hashes=list(hs), lora_request=None,
+                          all_token_ids=list(range(blocks * BLOCK)))
+    log.planned(req, range(blocks), 0)  # the scheduler's plan of the save
+    with frozen(node.proc):
+        w, counted = expired_in_its_put(make_worker_on, master, prefix, 20, landed.add, blocks)
+        log.settled("s")  # the engine's next step: the request's saves finished
+        assert landed.take() is None and log.take() == [] and w._saves_failing
+    wait_until(lambda: w.save_pool.idle and w.save_pool.stuck == 0, 30, "the put never returned")
+    c = counted()
+    assert (c["save_keys|0"], c.get("save_error_keys|0", 0)) == (2, blocks - 2), c
+    assert w._saves_failing == (blocks > 2)
+    log.landed(landed.take().get_all_events())  # a later step's output
+    (event,) = log.take()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == external_hashes(hs[:2]) and event.parent_block_hash is None
+    assert event.token_ids == req.all_token_ids[:2 * BLOCK]
+    assert not any(k[0] == "kv_events_dropped" for k in counts)
 
 
 def test_shutdown_counts_a_save_past_its_deadline_still_in_its_put(make_worker_on, cluster,

@@ -554,8 +554,42 @@ def test_a_settled_request_leaves_nothing_planned_and_no_drop_counted():
     ev_log.settled("r")  # every rank finished its saves
     ev_log.planned(request(16, "bb"), range(16), 0)  # planned at its bound, not past it
     assert counts.c[("kv_events_dropped", "stored")] == 0
-    ev_log.landed([(1, 0, tuple(req.block_hashes))])  # a late report: nothing planned
+    assert ev_log.take() == []  # rank 1's shards are not in the store
+    # A late report (its put outlived the save's deadline, and then stored them): every
+    # shard is in the store now, so the blocks are news, once.
+    ev_log.landed([(1, 0, tuple(req.block_hashes))])
+    (ev,) = roundtrip(ev_log.take())
+    assert ev.block_hashes == external_hashes(req.block_hashes) and ev.parent_block_hash is None
+    ev_log.landed([(r, 0, tuple(req.block_hashes)) for r in (0, 1)])
     assert ev_log.take() == []
+
+
+def test_blocks_a_save_stores_after_its_request_settled_are_announced():
+    """A save past its deadline is finished (its request settled, its blocks back with
+    vLLM) while its put goes on; what the put then stores is reported a step or more later.
+    The store holds those blocks, so routers hear of them, with their own tokens and parent;
+    blocks that never land age out past the queue's bound, uncounted."""
+    ev_log, counts = log(queue=16)
+    req = request(6)
+    ev_log.planned(req, range(6), 0)
+    ev_log.landed([(0, 0, tuple(req.block_hashes[:2]))])  # in time
+    first = roundtrip(ev_log.take())
+    ev_log.settled("r")  # its deadline passed: blocks 2 to 5 not reported
+    ev_log.landed([(0, 0, tuple(req.block_hashes[2:4]))])  # the put's late report
+    (late,) = roundtrip(ev_log.take())
+    assert late.block_hashes == external_hashes(req.block_hashes[2:4])
+    assert late.parent_block_hash == external_hash(req.block_hashes[1])
+    assert late.token_ids == req.all_token_ids[2 * BS:4 * BS]
+    ref, _ = log()  # blocks 0 to 3 landed together, as a router would have them
+    ref.planned(req, range(4), 0)
+    ref.landed([(0, 0, tuple(req.block_hashes[:4]))])
+    assert per_block(first + [late]) == per_block(roundtrip(ref.take()))
+    for tag in ("x1", "x2"):  # 32 more blocks settle unlanded: 4 and 5 age out
+        other = request(16, tag)
+        ev_log.planned(other, range(16), 0)
+        ev_log.settled(tag)
+    ev_log.landed([(0, 0, tuple(req.block_hashes[4:]))])
+    assert ev_log.take() == [] and not any(k[0] == "kv_events_dropped" for k in counts.c)
 
 
 def test_default_bounds_hold_two_128k_token_prompts_in_one_step():
