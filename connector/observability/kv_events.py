@@ -392,10 +392,13 @@ class StoreEventLog:
             for run in self._plans.pop(req_id, ()):
                 keys = _keys(run.group, run.hashes)
                 mine = map(operator.is_, map(planned.get, keys), itertools.repeat(run))
-                for key in list(itertools.compress(keys, mine)):
-                    del planned[key]
-                    late.pop(key, None)
-                    late[key] = run
+                left = list(itertools.compress(range(len(keys)), mine))
+                for lo, hi in _stretches(left):  # each its own part: what a late block keeps
+                    part = run if hi - lo == len(keys) else run.part(lo, hi, self._block_size)
+                    for key in keys[lo:hi]:
+                        del planned[key]
+                        late.pop(key, None)
+                        late[key] = part
                 self._cut(run)  # some of it landed at most: what did is all it keeps
             while len(late) > self.settings.queue:  # never landed: not news, not counted
                 key, _ = late.popitem(last=False)

@@ -584,6 +584,8 @@ def test_blocks_a_save_stores_after_its_request_settled_are_announced():
     ref.planned(req, range(4), 0)
     ref.landed([(0, 0, tuple(req.block_hashes[:4]))])
     assert per_block(first + [late]) == per_block(roundtrip(ref.take()))
+    # What a late block keeps is its own stretch of the run, not the whole request's tokens.
+    assert {len(run.tokens) for run in ev_log._late.values()} == {4 * BS}  # blocks 2 to 5
     for tag in ("x1", "x2"):  # 32 more blocks settle unlanded: 4 and 5 age out
         other = request(16, tag)
         ev_log.planned(other, range(16), 0)
