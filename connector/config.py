@@ -198,10 +198,11 @@ KEYS: tuple[Key, ...] = (
         shown="this engine's TP size"),
     Key("enable_store_tp_lcm", "bool", False,
         "in-tree field: use the least common multiple of `prefill_tp_sizes` as "
-        "`store_tp_size`"),
+        "`store_tp_size` (a `store_tp_size` set too is ignored, as in-tree, with a warning)"),
     Key("prefill_tp_sizes", "ints", None,
         "in-tree field: the TP sizes of the engines that write the store, for "
-        "`enable_store_tp_lcm`", lo=1, hi=1024, fix="list the writers' TP sizes, e.g. [2, 4]",
+        "`enable_store_tp_lcm` (without it ignored, as in-tree, with a warning)", lo=1,
+        hi=1024, fix="list the writers' TP sizes, e.g. [2, 4]",
         shown="unset"),
     Key("lookup_timeout_s", "float", 2.0,
         "a scheduler lookup slower than this is a miss, counted from when vLLM first asks "
@@ -373,7 +374,8 @@ IN_TREE: tuple[InTree, ...] = (
            "are separate objects and a lookup hits only when every shard is there; remove it"),
     # Environment (vllm/envs.py).
     InTree(CONFIG_PATH_ENV, ENV, SAME, "", ""),
-    InTree(RECV_THREADS_ENV, ENV, SAME, "", "load_threads"),
+    InTree(RECV_THREADS_ENV, ENV, SAME, "receive threads, 1..64 (0 or below: 1, as the in-tree "
+           "worker reads it), or `auto` (see the key)", "load_threads"),
     InTree("VLLM_MOONCAKE_STORE_TIER_LOG", ENV, SAME, "per-tier series on /metrics instead of "
            "a log line per batch", "tier_metrics"),
     InTree("VLLM_MOONCAKE_DISK_STAGING_USABLE_RATIO", ENV, SAME, "", "disk_staging_usable_ratio"),
@@ -398,14 +400,18 @@ def _d(name: str) -> Any:
 
 # A number and an optional unit: B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all powers of
 # 1024, as Mooncake reads them). "4IB" or "4KI" are errors, not 4 bytes.
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|[KMGT](?:B|IB)?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(B|[KMGT](?:B|IB)?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def parse_size(value: Any, field_name: str) -> int:
-    """Parse ``4GB``, ``512MiB``, ``1.5G`` or a plain byte count into bytes."""
+    """Parse ``4GB``, ``512MiB``, ``1.5G``, ``.5gb`` or a plain byte count into bytes. A JSON
+    number with a fraction (``4294967296.0``, which some config generators write) is truncated to
+    whole bytes, as the in-tree connector's ``_parse_size`` does (``int(value)``)."""
     if isinstance(value, bool):
         raise ConfigError(f"{field_name}: expected a size such as 4GB or 536870912, got {value!r}")
+    if isinstance(value, float) and math.isfinite(value):
+        value = int(value)
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{field_name}: size must be >= 0 bytes, got {value}")
@@ -442,8 +448,12 @@ def _number(value: Any, field_name: str, lo: float, hi: float) -> float:
 
 
 def _bool(value: Any, field_name: str) -> bool:
+    """true/false, also as text (environment) or the JSON numbers 1/0 (the in-tree file reader
+    takes ``bool(value)``, so ``"enable_offload": 1`` is on there)."""
     if isinstance(value, bool):
         return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
         return value.lower() in ("true", "1")
     raise ConfigError(f"{field_name}: expected true or false, got {value!r}")
@@ -525,6 +535,9 @@ class ConnectorConfig:
     source: dict[str, str] = field(default_factory=dict, compare=False)
     # One line per in-tree setting that was accepted as an equivalent, for the startup log.
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # One line per setting given but ignored (as the in-tree connector ignores it), logged as a
+    # warning: the operator meant it to count.
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def store_tp(self) -> int | None:
@@ -735,7 +748,7 @@ def load_config(
         tenant_id=_tenant_id(merged.get("tenant_id"), where("tenant_id")),
         preferred_segment=value("preferred_segment"),
     )
-    threads, auto = _threads(merged, source)
+    threads, auto = _threads(merged, source, notes)
     parsed = {k.name: value(k.name) for k in KEYS
               if not k.mooncake and k.name not in ("load_threads", "load_threads_max")}
     offload = value("enable_offload")
@@ -746,9 +759,10 @@ def load_config(
         notes.append("kv_role kv_consumer: stores " + (
             "prompt and generated blocks (save_decode_tokens)" if parsed["enable_save"]
             else "nothing (set save_decode_tokens or save_decode_cache to store)"))
-    _check_store_tp(parsed)
+    warnings = _resolve_store_tp(parsed)
     return ConnectorConfig(store=store, load_threads=threads, load_threads_auto=auto,
-                           enable_offload=offload, source=source, notes=tuple(notes), **parsed)
+                           enable_offload=offload, source=source, notes=tuple(notes),
+                           warnings=tuple(warnings), **parsed)
 
 
 def _translate_in_tree(in_tree: dict[str, tuple[Any, str]], merged: dict[str, Any],
@@ -813,22 +827,39 @@ def _tenant_id(raw: Any, at: str) -> str:
     return tenant
 
 
-def _check_store_tp(parsed: dict[str, Any]) -> None:
-    """The in-tree store TP keys: store_tp_size, or enable_store_tp_lcm with prefill_tp_sizes."""
+def _resolve_store_tp(parsed: dict[str, Any]) -> list[str]:
+    """The in-tree store TP keys: store_tp_size, or enable_store_tp_lcm with prefill_tp_sizes.
+    The in-tree worker (store/worker.py: resolve_store_tp_size, _select_store_layout) reads
+    prefill_tp_sizes only with enable_store_tp_lcm, and store_tp_size only without it; a
+    deployment that sets the other one too starts there, so it starts here, with the same store
+    TP size. The ignored value is dropped from `parsed`; returns a warning naming it, as the
+    operator who set it expected it to count."""
     lcm, sizes = parsed["enable_store_tp_lcm"], parsed["prefill_tp_sizes"]
     if lcm and sizes is None:
         raise ConfigError(f"{EXTRA}.enable_store_tp_lcm: needs prefill_tp_sizes (the writers' "
                           "TP sizes, e.g. [2, 4]); set it or remove enable_store_tp_lcm")
-    if sizes is not None and not lcm:
-        raise ConfigError(f"{EXTRA}.prefill_tp_sizes: only used with enable_store_tp_lcm: "
-                          "true; set that, or use store_tp_size")
-    if lcm and parsed["store_tp_size"] is not None:
-        raise ConfigError(f"{EXTRA}.store_tp_size: set either store_tp_size or "
-                          "enable_store_tp_lcm with prefill_tp_sizes, not both")
+    ignored = "store_tp_size" if lcm else "prefill_tp_sizes"
+    value = parsed[ignored]
+    if value is None:
+        return []
+    parsed[ignored] = None
+    if lcm:
+        used = f"{math.lcm(*sizes)}, the least common multiple of prefill_tp_sizes {list(sizes)}"
+        fix = "remove store_tp_size, or set enable_store_tp_lcm: false to use it"
+    else:
+        tp = parsed["store_tp_size"]
+        used = f"store_tp_size {tp}" if tp else "this engine's TP size (store_tp_size unset)"
+        fix = "remove prefill_tp_sizes, or set enable_store_tp_lcm: true to use it"
+    shown = list(value) if isinstance(value, tuple) else value
+    return [f"{EXTRA}.{ignored}: {shown} ignored (as by the in-tree connector) with "
+            f"enable_store_tp_lcm {str(lcm).lower()}; the store TP size is {used}; {fix}"]
 
 
-def _threads(merged: dict[str, Any], source: dict[str, str]) -> tuple[int, bool]:
-    """load_threads (from extra_config or the environment): a count, or auto with a maximum."""
+def _threads(merged: dict[str, Any], source: dict[str, str],
+             notes: list[str]) -> tuple[int, bool]:
+    """load_threads (from extra_config or the environment): a count, or auto with a maximum.
+    The in-tree variable at 0 or below is 1 thread, as the in-tree worker reads it (max(1, n));
+    noted in `notes`."""
     key, raw = BY_NAME["load_threads"], merged.get("load_threads", "1")
     name = RECV_THREADS_ENV if source.get("load_threads") == RECV_THREADS_ENV \
         else f"{EXTRA}.load_threads"
@@ -839,6 +870,10 @@ def _threads(merged: dict[str, Any], source: dict[str, str]) -> tuple[int, bool]
     if "load_threads_max" in merged:
         raise ConfigError(f"{EXTRA}.load_threads_max: only used with load_threads: auto; "
                           "remove it or set load_threads to auto")
+    if name == RECV_THREADS_ENV and re.fullmatch(r"\s*-?\d+\s*", raw) and int(raw) < 1:
+        notes.append(f"{RECV_THREADS_ENV}={raw!r} (in-tree setting): 1 receive thread, as the "
+                     "in-tree worker reads it (max(1, n))")
+        return 1, False
     return _int_in_range(raw, name, int(key.lo), int(key.hi), key.fix), False
 
 

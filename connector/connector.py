@@ -120,6 +120,8 @@ class PooledMooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise
         for note in self.config.notes:  # in-tree settings taken as their equivalents
             logger.info("PooledMooncakeStoreConnector: %s", note)
+        for warning in self.config.warnings:  # settings given but ignored, as in-tree
+            logger.warning("PooledMooncakeStoreConnector: %s", warning)
         self.keys = KeyBuilder(self.config.cache_prefix, layout, len(self.groups))
         self._per_request_failures = per_request(self.groups)
         self.scheduler = None

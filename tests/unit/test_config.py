@@ -26,10 +26,21 @@ def test_defaults_and_env_thread_count():
     assert load_config({**BASE, "load_threads": 2}, {RECV_THREADS_ENV: "8"}).load_threads == 2
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "four", "2.5", "65"])
+@pytest.mark.parametrize("value", ["four", "2.5", "65"])
 def test_bad_thread_count_from_env(value):
     msg = error_for(environ={RECV_THREADS_ENV: value})
     assert RECV_THREADS_ENV in msg and "1..64" in msg
+
+
+@pytest.mark.parametrize("value", ["0", "00", "-3"])
+def test_env_thread_count_below_one_is_one_as_in_tree(value):
+    """The in-tree worker runs max(1, VLLM_MOONCAKE_LOAD_RECV_THREADS) receive threads, so a
+    deployment with 0 starts there with 1 thread: here too, with a startup note. The
+    connector's own key keeps refusing 0 (test below)."""
+    cfg = load_config(BASE, {RECV_THREADS_ENV: value})
+    assert cfg.load_threads == 1 and not cfg.load_threads_auto
+    assert any(n.startswith(f"{RECV_THREADS_ENV}={value!r} (in-tree setting): 1 receive")
+               for n in cfg.notes), cfg.notes
 
 
 @pytest.mark.parametrize("value", [0, -1, "four", 2.5, True])
@@ -64,6 +75,36 @@ def test_staging_mode():
 def test_malformed_sizes(field, value):
     msg = error_for({field: value})
     assert field in msg
+
+
+def test_sizes_the_in_tree_reader_takes():
+    """vLLM's in-tree _parse_size (distributed/mooncake_store.py) takes a JSON number with a
+    fraction as int(value) and a number without a leading digit ("[\\d.]+"), so files with
+    4294967296.0 or ".5gb" start there: the same bytes here."""
+    from tests.unit.test_layout_config import in_tree_function
+
+    in_tree = in_tree_function("distributed/mooncake_store.py", "_parse_size")
+    for size in (4294967296.0, 1.9, ".5gb", "4.", "1.5GB", " 512 mb ", 1024):
+        assert parse_size(size, "x") == in_tree(size), size
+    assert parse_size(4294967296.0, "x") == 4 * 2**30
+    assert parse_size(1.9, "x") == 1  # truncated, as int(1.9)
+    assert parse_size(".5gb", "x") == 2**29
+    assert parse_size("4.", "x") == 4
+    cfg = load_config({**BASE, "global_segment_size": 4294967296.0,
+                       "local_buffer_size": ".5gb"}, {})
+    assert (cfg.store.global_segment_size, cfg.store.local_buffer_size) == (2**32, 2**29)
+    for bad in (float("nan"), float("inf"), -1.0, ".", "..5", "1.2.3"):
+        with pytest.raises(ConfigError, match="^x: "):
+            parse_size(bad, "x")
+
+
+def test_json_one_and_zero_are_booleans_as_in_tree():
+    """The in-tree file reader takes bool(enable_offload), so "enable_offload": 1 turns the disk
+    tier on there; 1 and 0 are true and false for every boolean here. Other numbers stay
+    errors rather than guesses."""
+    assert load_config({**BASE, "enable_offload": 1}, {}).enable_offload is True
+    assert load_config({**BASE, "enable_save": 0}, {}).enable_save is False
+    assert "enable_offload: expected true or false, got 2" in error_for({"enable_offload": 2})
 
 
 def test_size_units():

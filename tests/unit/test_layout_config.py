@@ -4,6 +4,14 @@ with the field named."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from connector.config import ConfigError, helm_extra_config, load_config
@@ -17,6 +25,17 @@ def cfg(**extra):
     return load_config({**STORE, **extra}, environ={})
 
 
+def in_tree_function(path: str, name: str) -> Callable[..., Any]:
+    """A top-level function of the installed vLLM's source (`path` under vllm/), defined on
+    its own from that source (without importing its module), to check a behaviour against."""
+    file = Path(importlib.util.find_spec("vllm").origin).parent / path
+    fn = next(f for f in ast.parse(file.read_text()).body
+              if isinstance(f, ast.FunctionDef) and f.name == name)
+    ns: dict[str, Any] = {"math": math, "re": re, "Any": Any}
+    exec(compile(ast.Module([fn], []), str(file), "exec"), ns)  # vLLM's own function
+    return ns[name]
+
+
 def test_store_tp_size_and_lcm_resolve_as_in_tree():
     assert cfg().store_tp is None
     assert cfg(store_tp_size=4).store_tp == 4
@@ -28,15 +47,51 @@ def test_store_tp_size_and_lcm_resolve_as_in_tree():
     ({"store_tp_size": 0}, "store_tp_size: must be 1..1024"),
     ({"store_tp_size": "two"}, "store_tp_size: expected an integer"),
     ({"enable_store_tp_lcm": True}, "enable_store_tp_lcm: needs prefill_tp_sizes"),
-    ({"prefill_tp_sizes": [2, 4]}, "prefill_tp_sizes: only used with enable_store_tp_lcm"),
     ({"enable_store_tp_lcm": True, "prefill_tp_sizes": []}, "prefill_tp_sizes: expected a list"),
     ({"enable_store_tp_lcm": True, "prefill_tp_sizes": [2, 0]}, "prefill_tp_sizes: must be"),
-    ({"enable_store_tp_lcm": True, "prefill_tp_sizes": [2], "store_tp_size": 2},
-     "store_tp_size: set either"),
 ])
 def test_bad_store_tp_settings_name_the_field(extra, message):
     with pytest.raises(ConfigError, match=message):
         cfg(**extra)
+
+
+@pytest.mark.parametrize("extra, store_tp, warning", [
+    ({"enable_store_tp_lcm": False, "prefill_tp_sizes": [2, 4]}, None,
+     "prefill_tp_sizes: [2, 4] ignored (as by the in-tree connector) with enable_store_tp_lcm "
+     "false; the store TP size is this engine's TP size (store_tp_size unset); remove "
+     "prefill_tp_sizes, or set enable_store_tp_lcm: true to use it"),
+    ({"prefill_tp_sizes": [2, 4], "store_tp_size": 8}, 8,
+     "prefill_tp_sizes: [2, 4] ignored (as by the in-tree connector) with enable_store_tp_lcm "
+     "false; the store TP size is store_tp_size 8;"),
+    ({"enable_store_tp_lcm": True, "prefill_tp_sizes": [2, 3], "store_tp_size": 2}, 6,
+     "store_tp_size: 2 ignored (as by the in-tree connector) with enable_store_tp_lcm true; the "
+     "store TP size is 6, the least common multiple of prefill_tp_sizes [2, 3]; remove "
+     "store_tp_size, or set enable_store_tp_lcm: false to use it"),
+])
+def test_the_value_in_tree_ignores_is_ignored_with_a_warning(extra, store_tp, warning):
+    """vLLM's in-tree worker (store/worker.py: resolve_store_tp_size, _select_store_layout)
+    reads prefill_tp_sizes only with enable_store_tp_lcm: true, and store_tp_size only without
+    it. Such a deployment starts there, so it starts here, with the same store TP size, and a
+    warning names the value left unused (the in-tree connector says nothing)."""
+    c = cfg(**extra)
+    assert c.store_tp == store_tp
+    assert len(c.warnings) == 1 and c.warnings[0].startswith(f"kv_connector_extra_config.{warning}")
+    ignored = warning.split(":", 1)[0]
+    assert getattr(c, ignored) is None  # dropped: nothing downstream can read it
+    assert cfg(store_tp_size=4).warnings == () == cfg(
+        enable_store_tp_lcm=True, prefill_tp_sizes=[2]).warnings
+
+
+def test_the_store_tp_size_is_the_in_tree_one():
+    """Every form the in-tree resolve_store_tp_size takes, with the value it resolves to."""
+    resolve = in_tree_function("distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py",
+                               "resolve_store_tp_size")
+    for extra in ({}, {"store_tp_size": 4}, {"enable_store_tp_lcm": False, "store_tp_size": 2},
+                  {"enable_store_tp_lcm": True, "prefill_tp_sizes": [2, 3, 4]},
+                  {"enable_store_tp_lcm": False, "prefill_tp_sizes": [2, 4]},
+                  {"prefill_tp_sizes": [2, 4], "store_tp_size": 8},
+                  {"enable_store_tp_lcm": True, "prefill_tp_sizes": [2, 3], "store_tp_size": 2}):
+        assert cfg(**extra).store_tp == resolve(extra), extra
 
 
 def test_store_tp_size_must_split_the_kv_heads():
