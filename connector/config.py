@@ -17,6 +17,7 @@ so a bad deployment fails at startup with one readable line instead of a hang or
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import os
@@ -915,6 +916,7 @@ def markdown_table() -> str:
 
 # ---- the Helm chart's schema for extraConfig ----------------------------------------------
 HELM_SCHEMA = "helm/mooncake-pooled-connector/values.schema.json"
+HELM_LOCAL_BUFFER = "engineLocalBufferSize"  # the schema's definition of it
 
 
 def json_schema(key: Key) -> dict[str, Any]:
@@ -944,6 +946,63 @@ def json_schema(key: Key) -> dict[str, Any]:
 HELM_EXTRA_MOONCAKE = ("replica_num", "transfer_timeout", "preferred_segment")
 
 
+def _integers_above(n: str) -> list[str]:
+    """Regexes of the integers above `n` (digits, no leading zero; "" is 0), written without
+    leading zeros."""
+    alts = [f"[1-9][0-9]{{{len(n)},}}"]
+    for i, d in enumerate(n):
+        if d != "9":
+            rest = len(n) - i - 1
+            alts.append(f"{n[:i]}[{int(d) + 1}-9]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return alts
+
+
+def _decimals_at_least(t: str) -> str:
+    """A regex of the decimal numbers (`12`, `0.5`, leading zeros allowed) at least `t`, a
+    plain decimal without exponent: the schema has no arithmetic, so sizes are compared by
+    their digits."""
+    ip, _, fp = t.partition(".")
+    ip, fp = ip.lstrip("0"), fp.rstrip("0")
+    alts = [f"0*({'|'.join(_integers_above(ip))})(\\.[0-9]+)?"]
+    if fp:
+        frac = [f"{fp[:i]}[{int(d) + 1}-9]" for i, d in enumerate(fp) if d != "9"] + [fp]
+        alts.append(f"{'0*' if ip else '0+'}{ip}\\.({'|'.join(frac)})[0-9]*")
+    else:
+        alts.append(f"0*{ip}(\\.[0-9]+)?")
+    return "|".join(alts)
+
+
+def size_at_least(lo: int) -> dict[str, Any]:
+    """The JSON-schema fragment of the sizes (as the chart's `size` definition writes them:
+    a byte count or a number with a unit) that `parse_size` reads as `lo` bytes or more, so
+    that helm refuses what the connector would refuse at startup. Exact but for numbers of
+    17 or more significant digits, which float rounding may read as `lo` from just below."""
+    units = {"": "[Bb]?", "K": "[Kk]", "M": "[Mm]", "G": "[Gg]", "T": "[Tt]"}
+    forms = []
+    with decimal.localcontext(prec=60):
+        for unit, letter in units.items():
+            t = format(decimal.Decimal(lo) / _SIZE_UNITS[unit], "f")
+            suffix = letter + ("([Ii][Bb]|[Bb])?" if unit else "")
+            forms.append(f"({_decimals_at_least(t)}) ?{suffix}")
+    return {"anyOf": [{"type": "integer", "minimum": lo},
+                      {"type": "string", "pattern": f"^({'|'.join(forms)})$"}]}
+
+
+def helm_local_buffer_size() -> dict[str, Any]:
+    """The chart's engine `localBufferSize` (local_buffer_size in the Mooncake file): a size
+    of at least the connector's minimum. A smaller one fails with a `const` that says so, as
+    the chart's image.repository does: helm's own message for a failed anyOf is the pattern."""
+    key = BY_NAME["local_buffer_size"]
+    least = f"at least {key.lo / 2**20:.0f}MB"
+    return {"description": f"The engines' Mooncake transfer buffer: a size as in `size`, "
+                           f"{least}, as the connector requires (python -m connector.config "
+                           "writes this definition)",
+            "allOf": [{"$ref": "#/definitions/size"}],
+            "if": {"not": size_at_least(int(key.lo))},
+            "then": {"const": f"{least} (the connector refuses a smaller local_buffer_size "
+                              f"at startup), e.g. {key.default // 2**20}MB"}}
+
+
 def helm_extra_config() -> dict[str, Any]:
     """The chart's extraConfig properties: every connector key but load_threads (recvThreads),
     and the Mooncake fields of HELM_EXTRA_MOONCAKE."""
@@ -954,11 +1013,13 @@ def helm_extra_config() -> dict[str, Any]:
 def sync_helm_schema(path: str = HELM_SCHEMA, check: bool = False) -> bool:
     with open(path, encoding="utf-8") as f:
         schema = json.load(f)
-    props = schema["definitions"]["extraConfig"]["properties"]
-    if props == helm_extra_config():
+    defs = schema["definitions"]
+    if (defs["extraConfig"]["properties"] == helm_extra_config()
+            and defs.get(HELM_LOCAL_BUFFER) == helm_local_buffer_size()):
         return True
     if not check:
-        schema["definitions"]["extraConfig"]["properties"] = helm_extra_config()
+        defs["extraConfig"]["properties"] = helm_extra_config()
+        defs[HELM_LOCAL_BUFFER] = helm_local_buffer_size()
         with open(path, "w", encoding="utf-8") as f:
             f.write(json.dumps(schema, indent=2) + "\n")
     return False

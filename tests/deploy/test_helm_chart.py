@@ -25,8 +25,10 @@ import pytest
 import yaml
 
 from connector.config import (
+    BY_NAME,
     CONNECTOR_KEYS,
     HELM_EXTRA_MOONCAKE,
+    HELM_LOCAL_BUFFER,
     ConfigError,
     load_config,
     parse_size,
@@ -331,6 +333,27 @@ def test_every_size_the_chart_admits_the_connector_reads(definition):
         assert re.match(text, form) or not reads or definition == "storeNodeSize", form
 
 
+def test_engine_local_buffer_size_admits_what_the_connector_takes():
+    """An engine's localBufferSize passes the schema exactly when the connector takes it as
+    local_buffer_size (at least 1 MB): 0 or 512KB passed, and the engine failed at startup."""
+    schema = json.loads((CHART / "values.schema.json").read_text())["definitions"]
+    (size,) = [a["pattern"] for a in schema["size"]["anyOf"] if "pattern" in a]
+    (least,) = [a["pattern"] for a in schema[HELM_LOCAL_BUFFER]["if"]["not"]["anyOf"]
+                if "pattern" in a]
+    numbers = ("0", "1", "2", "0.5", "0.99", "1.0", "001", "512", "1023", "1023.9", "1024",
+               "001024", "1024.5", "1048575", "1048575.9", "1048576", "1048577", "0.00098",
+               "0.0009765625", "0.0009765624", "0.000976", "0.00000095367431640625",
+               "0.000000953674", "0.000001", "0.0000009")
+    for form in (f"{n}{sp}{u}" for n in numbers for sp in ("", " ")
+                 for u in ("", "b", "K", "KiB", "kb", "M", "MB", "mib", "G", "GB", "t", "TiB")):
+        try:
+            BY_NAME["local_buffer_size"].parse(form, "x")
+            takes = True
+        except ConfigError:
+            takes = False
+        assert bool(re.match(size, form) and re.match(least, form)) == takes, form
+
+
 def test_store_nodes(helm):
     docs = helm.render("-f", str(CI_VALUES))
     dep = by_kind(docs, "Deployment")[f"{RELEASE}-mooncake-pooled-connector-store"]
@@ -378,6 +401,10 @@ SCHEMA_ERROR = "values don't meet the specifications of the schema"
     ("deployments[0].localBufferSize=512Mi", "at '/deployments/0/localBufferSize'"),
     ("master.external.address=mc:99999", "at '/master/external/address'"),
     ("master.external.metadataServer=http://mc:8080", "at '/master/external/metadataServer'"),
+    ("deployments[0].localBufferSize=0",
+     "at '/deployments/0/localBufferSize': value must be 'at least 1MB (the connector refuses"),
+    ("deploymentDefaults.localBufferSize=512KB",
+     "at '/deploymentDefaults/localBufferSize': value must be 'at least 1MB"),
 ])
 def test_schema_rejects_bad_values_with_clear_message(helm, setting, message):
     err = helm.error("--set", setting)
