@@ -300,7 +300,8 @@ def test_master_image_override(helm):
 
 
 @pytest.mark.parametrize("metadata", ["", "etcd://etcd.infra:2379", "etcd.infra:2379",
-                                      "https://meta.infra/metadata", "P2PHANDSHAKE"])
+                                      "https://meta.infra/metadata", "P2PHANDSHAKE",
+                                      "http://[fd00::1]:8080/metadata"])
 def test_external_master_deploys_no_master(helm, metadata):
     """And its metadata server is any the connector takes (etcd ones were refused)."""
     docs = helm.render("--set", "master.external.address=mooncake.infra:50051",
@@ -354,6 +355,24 @@ def test_engine_local_buffer_size_admits_what_the_connector_takes():
         assert bool(re.match(size, form) and re.match(least, form)) == takes, form
 
 
+@pytest.mark.parametrize("metadata", ["http://[fd00::1]:8080/metadata", "http://[::1]/metadata",
+                                      "https://[::ffff:10.0.0.1]:443/m", "http://[fd00::1]:8080",
+                                      "http://[fd00::1]:65536/metadata", "http://[zz]:80/m",
+                                      "http://fd00::1:8080/metadata", "http://[fd00::1/m"])
+def test_external_metadata_server_pattern_admits_only_what_the_connector_takes(metadata):
+    """IPv6 literals in brackets pass as the connector takes them; no path, a port out of
+    range or an address not in brackets are refused as before."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    text = schema["properties"]["master"]["properties"]["external"]["properties"][
+        "metadataServer"]["pattern"]
+    try:
+        load_config({"master_server_address": "m:50051", "metadata_server": metadata}, {})
+        takes = True
+    except ValueError:  # ConfigError, or urllib's for a malformed IPv6 literal
+        takes = False
+    assert bool(re.match(text, metadata)) == takes, metadata
+
+
 def test_store_nodes(helm):
     docs = helm.render("-f", str(CI_VALUES))
     dep = by_kind(docs, "Deployment")[f"{RELEASE}-mooncake-pooled-connector-store"]
@@ -401,6 +420,8 @@ SCHEMA_ERROR = "values don't meet the specifications of the schema"
     ("deployments[0].localBufferSize=512Mi", "at '/deployments/0/localBufferSize'"),
     ("master.external.address=mc:99999", "at '/master/external/address'"),
     ("master.external.metadataServer=http://mc:8080", "at '/master/external/metadataServer'"),
+    ("master.external.metadataServer=http://[fd00::1]:8080",
+     "at '/master/external/metadataServer'"),
     ("deployments[0].localBufferSize=0",
      "at '/deployments/0/localBufferSize': value must be 'at least 1MB (the connector refuses"),
     ("deploymentDefaults.localBufferSize=512KB",
