@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,9 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's handler and level
 # The thread label of a load job that expired (or was failed at shutdown) before any thread
 # took it: its queue wait and error count, never a thread's.
 QUEUED_THREAD = "queued"
+# What the subscribers' shutdown (the tracer's last export) may add to the connector's
+# (docs/reliability-bounds.md, A graceful stop).
+SHUTDOWN_S = 1.0
 
 
 def request_hash(req_id: str) -> str:
@@ -158,3 +162,24 @@ class Publisher:
 
     def request(self, ev: RequestEvent) -> None:
         self._each("on_request", ev)
+
+    def shutdown(self, timeout: float = SHUTDOWN_S) -> None:
+        """Shut every subscriber that has a `shutdown` down, on a thread of its own joined for
+        `timeout` seconds at most, each one's error logged: the tracer's last export waits for
+        its collector (an OTLP post or the SDK exporter's shutdown, seconds each, per batch),
+        and the connector closes the store client after this. Past the bound the spans not
+        yet exported are lost with the process (the thread is a daemon)."""
+        def run() -> None:
+            for sub in self.subscribers:
+                if hasattr(sub, "shutdown"):
+                    try:
+                        sub.shutdown()
+                    except Exception:  # observability must never keep the store client open
+                        logger.exception("subscriber %r failed to shut down", sub)
+
+        stopping = threading.Thread(target=run, name="mcpool-events-stop", daemon=True)
+        stopping.start()
+        stopping.join(timeout)
+        if stopping.is_alive():
+            logger.warning("shutdown: observability subscribers still stopping after %.0fs "
+                           "(tracing's last spans not exported yet are lost)", timeout)

@@ -618,7 +618,8 @@ class MooncakeStoreScheduler:
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel queued lookups; close the client once no lookup can still be inside a call
         on it, including those given up on (at once if the running ones end within
-        `timeout`, else in the background)."""
+        `timeout`, else in the background). Subscribers (tracing) stop first, within
+        events.SHUTDOWN_S."""
         if self._closed:
             return
         self._closed = True
@@ -627,4 +628,7 @@ class MooncakeStoreScheduler:
         running = [f for f in (*(lk.future for lk in self._lookups.values()), *self._abandoned)
                    if not f.done()]
         _, stuck = cf.wait(running, timeout=timeout)
-        self._store.close([lambda f=f: cf.wait([f]) for f in stuck])
+        try:
+            self.events.shutdown()  # the request spans not exported yet: SHUTDOWN_S at most
+        finally:
+            self._store.close([lambda f=f: cf.wait([f]) for f in stuck])

@@ -41,7 +41,14 @@ from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.metadata import BlockTransfer, Preload, StepMetadata
-from connector.observability.events import LoadEvent, Publisher, SaveEvent, Subscriber, request_hash
+from connector.observability.events import (
+    SHUTDOWN_S,
+    LoadEvent,
+    Publisher,
+    SaveEvent,
+    Subscriber,
+    request_hash,
+)
 from connector.observability.sampling import LookupProbe
 from connector.observability.stats import StatsRecorder, WorkerGauges, stat_key
 from connector.observability.ttft import LoadClock, LoadTimes
@@ -69,9 +76,10 @@ PREEMPTION_LOG_S = 5.0  # a preemption still waiting for a call that reads its b
 _DIRECT_IO = 4096  # the disk tier stages each object DirectIO-aligned, plus two pages
 SHUTDOWN_WAIT_S = 1.0  # for jobs inside a store call at shutdown; then the client closes later
 # At shutdown queued saves go on for this long (then they are counted as lost): with the pools
-# closed side by side, shutdown takes SHUTDOWN_SAVE_DRAIN_S + SHUTDOWN_WAIT_S at most.
+# closed side by side, then the subscribers (tracing's last export, events.SHUTDOWN_S),
+# shutdown takes SHUTDOWN_SAVE_DRAIN_S + SHUTDOWN_WAIT_S + SHUTDOWN_S at most.
 SHUTDOWN_SAVE_DRAIN_S = 2.0
-SHUTDOWN_BOUND_S = SHUTDOWN_SAVE_DRAIN_S + SHUTDOWN_WAIT_S
+SHUTDOWN_BOUND_S = SHUTDOWN_SAVE_DRAIN_S + SHUTDOWN_WAIT_S + SHUTDOWN_S
 
 
 def shutdown_timeout_warning(vllm_config: Any, saves: bool) -> str | None:
@@ -947,8 +955,10 @@ class MooncakeStoreWorker:
     def shutdown(self) -> None:
         """Stop the pools side by side: queued saves go on for up to SHUTDOWN_SAVE_DRAIN_S,
         queued loads fail fast (vLLM is stopping), and what is left is counted as lost
-        (save_error_keys, code "shutdown", and one log line). The store client closes only
-        once no thread can still be inside a call on it. Takes SHUTDOWN_BOUND_S at most."""
+        (save_error_keys, code "shutdown", and one log line). Then the subscribers stop
+        (tracing's last export, SHUTDOWN_S at most; its error never keeps the client open), and
+        the store client closes once no thread can still be inside a call on it. Takes
+        SHUTDOWN_BOUND_S at most."""
         if self._closed:
             return
         self._closed = True
@@ -983,7 +993,7 @@ class MooncakeStoreWorker:
         else:
             logger.info("shutdown: 0 store keys lost, every queued save was written; took %.2fs",
                         took)
-        for sub in self.events.subscribers:
-            if hasattr(sub, "shutdown"):
-                sub.shutdown()
-        self._store.close([t.join for t in stuck])
+        try:
+            self.events.shutdown()  # tracing's last export: SHUTDOWN_S at most
+        finally:
+            self._store.close([t.join for t in stuck])

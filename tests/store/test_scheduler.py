@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from connector.config import load_config
+from connector.observability.events import SHUTDOWN_S
 from connector.scheduler.prefix_probe import FIRST_WINDOW
 from connector.scheduler.scheduler import MooncakeStoreScheduler
 from connector.store.client import StoreUnavailable
@@ -17,6 +18,7 @@ from connector.store.keys import KeyBuilder, Layout
 from devkit.local_cluster import MooncakeMaster
 from devkit.processes import freeze, thaw
 from tests.client_kit import CallRecorder
+from tests.tracing_kit import STUCK_S, trace_with
 from tests.worker_kit import hashes, wait_until
 
 BS = 32
@@ -603,3 +605,26 @@ def test_a_load_every_rank_holds_in_a_preload_runs_in_the_step(sched, store_clie
         times = None
     assert ask(sched, both) == (4 * BS, False)  # in the step
     assert ask(sched, one) == (4 * BS, True)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["collector_stuck", "shutdown_fails"])
+def test_shutdown_stops_tracing_within_its_bound_then_closes_the_client(master, monkeypatch,
+                                                                         fail):
+    """The scheduler's tracer (request spans) is shut down, so its last spans are exported,
+    within SHUTDOWN_S of the lookups' wait; a failing one is logged, and the store client
+    closes either way. Before, its tracer was never shut down."""
+    s = make(master)
+    writer = trace_with(s.add_subscriber, fail)
+    closes: list[tuple] = []
+    close = s._store.close
+    monkeypatch.setattr(s._store, "close", lambda *a: (closes.append(a), close(*a)))
+    t0 = time.monotonic()
+    try:
+        s.shutdown(timeout=0.1)
+        took = time.monotonic() - t0
+    finally:
+        writer.release.set()
+    assert took < 0.1 + SHUTDOWN_S + (STUCK_S - SHUTDOWN_S) / 2, took
+    assert len(closes) == 1
+    if fail:  # a stuck one never got there: its exports wait for the collector
+        assert writer.shut.is_set()

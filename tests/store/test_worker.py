@@ -15,8 +15,10 @@ import torch
 
 import connector.worker.recv_pool as recv_pool
 from connector.metadata import BlockTransfer, StepMetadata
+from connector.worker.worker import SHUTDOWN_BOUND_S
 from devkit.local_cluster import MooncakeMaster, StoreNode, local_pool
 from devkit.processes import freeze, frozen, thaw
+from tests.tracing_kit import STUCK_S, trace_with
 from tests.worker_kit import NUM_BLOCKS, hashes, kv_caches, run_step, settled_saves, wait_until
 
 
@@ -401,3 +403,24 @@ def test_saves_resume_once_the_store_takes_puts_again(make_worker_on):
         if node is not None:
             node.stop()
         master.stop()
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["collector_stuck", "shutdown_fails"])
+def test_shutdown_closes_the_store_client_whatever_tracing_does(make_worker, monkeypatch, fail):
+    """Tracing's shutdown waits for its collector (its exports, the SDK exporter's shutdown) or
+    raises: the worker's shutdown still ends within SHUTDOWN_BOUND_S and closes the store
+    client. Before, a failing one raised out of it with the client left open, and a stuck one
+    held it as long as the collector (STUCK_S here)."""
+    w = make_worker()
+    writer = trace_with(w.add_subscriber, fail)
+    closes: list[tuple] = []
+    close = w._store.close
+    monkeypatch.setattr(w._store, "close", lambda *a: (closes.append(a), close(*a)))
+    t0 = time.monotonic()
+    try:
+        w.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        writer.release.set()
+    assert took < SHUTDOWN_BOUND_S + (STUCK_S - SHUTDOWN_BOUND_S) / 2, took
+    assert len(closes) == 1

@@ -6,6 +6,7 @@ test_e2e_observability."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -119,3 +120,25 @@ def test_sdk_writer_of_our_own_uses_the_sampled_ids():
         set(told) and len(told) == 3
     kids = [s for s in memory.get_finished_spans() if s.name != "mooncake.load"]
     assert len({s.context.span_id for s in kids + roots}) == len(kids) + len(roots)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["collector_stuck", "shutdown_fails"])
+def test_subscribers_shutdown_is_bounded_and_its_error_logged(fail, caplog):
+    """The connector stops its subscribers through Publisher.shutdown before it closes the
+    store client: a tracer whose collector does not answer is left behind after SHUTDOWN_S
+    (its exports would hold it STUCK_S), one whose exporter fails is logged, neither raises."""
+    from connector.observability.events import SHUTDOWN_S, Publisher
+    from tests.tracing_kit import STUCK_S, trace_with
+
+    caplog.set_level(logging.WARNING, logger="vllm.connector.observability.events")
+    events = Publisher()
+    writer = trace_with(events.add, fail)
+    t0 = time.monotonic()
+    try:
+        events.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        writer.release.set()
+    assert took < SHUTDOWN_S + (STUCK_S - SHUTDOWN_S) / 2, took
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert ("failed to shut down" if fail else "still stopping after") in logged, logged
