@@ -4,6 +4,7 @@ whose shutdown fails."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,3 +45,21 @@ def trace_with(add: Callable[[Any], None], fail: bool) -> CollectorStub:
     writer = CollectorStub(fail)
     add(SpanExporter(1.0, 0, "test", writer=writer))
     return writer
+
+
+def timed_shutdown(shutdown: Callable[[], None], writer: CollectorStub) -> float:
+    """Seconds `shutdown` took; the stub's collector answers after it, whatever happened."""
+    t0 = time.monotonic()
+    try:
+        shutdown()
+        return time.monotonic() - t0
+    finally:
+        writer.release.set()
+
+
+def record_closes(store: Any, monkeypatch: Any) -> list[tuple]:
+    """The calls of `store.close` from now on (each still closes)."""
+    closes: list[tuple] = []
+    close = store.close
+    monkeypatch.setattr(store, "close", lambda *a: (closes.append(a), close(*a)))
+    return closes

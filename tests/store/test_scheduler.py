@@ -18,7 +18,7 @@ from connector.store.keys import KeyBuilder, Layout
 from devkit.local_cluster import MooncakeMaster
 from devkit.processes import freeze, thaw
 from tests.client_kit import CallRecorder
-from tests.tracing_kit import STUCK_S, trace_with
+from tests.tracing_kit import STUCK_S, record_closes, timed_shutdown, trace_with
 from tests.worker_kit import hashes, wait_until
 
 BS = 32
@@ -615,15 +615,8 @@ def test_shutdown_stops_tracing_within_its_bound_then_closes_the_client(master, 
     closes either way. Before, its tracer was never shut down."""
     s = make(master)
     writer = trace_with(s.add_subscriber, fail)
-    closes: list[tuple] = []
-    close = s._store.close
-    monkeypatch.setattr(s._store, "close", lambda *a: (closes.append(a), close(*a)))
-    t0 = time.monotonic()
-    try:
-        s.shutdown(timeout=0.1)
-        took = time.monotonic() - t0
-    finally:
-        writer.release.set()
+    closes = record_closes(s._store, monkeypatch)
+    took = timed_shutdown(lambda: s.shutdown(timeout=0.1), writer)
     assert took < 0.1 + SHUTDOWN_S + (STUCK_S - SHUTDOWN_S) / 2, took
     assert len(closes) == 1
     if fail:  # a stuck one never got there: its exports wait for the collector

@@ -18,7 +18,7 @@ from connector.metadata import BlockTransfer, StepMetadata
 from connector.worker.worker import SHUTDOWN_BOUND_S
 from devkit.local_cluster import MooncakeMaster, StoreNode, local_pool
 from devkit.processes import freeze, frozen, thaw
-from tests.tracing_kit import STUCK_S, trace_with
+from tests.tracing_kit import STUCK_S, record_closes, timed_shutdown, trace_with
 from tests.worker_kit import NUM_BLOCKS, hashes, kv_caches, run_step, settled_saves, wait_until
 
 
@@ -413,14 +413,7 @@ def test_shutdown_closes_the_store_client_whatever_tracing_does(make_worker, mon
     held it as long as the collector (STUCK_S here)."""
     w = make_worker()
     writer = trace_with(w.add_subscriber, fail)
-    closes: list[tuple] = []
-    close = w._store.close
-    monkeypatch.setattr(w._store, "close", lambda *a: (closes.append(a), close(*a)))
-    t0 = time.monotonic()
-    try:
-        w.shutdown()
-        took = time.monotonic() - t0
-    finally:
-        writer.release.set()
+    closes = record_closes(w._store, monkeypatch)
+    took = timed_shutdown(w.shutdown, writer)
     assert took < SHUTDOWN_BOUND_S + (STUCK_S - SHUTDOWN_BOUND_S) / 2, took
     assert len(closes) == 1

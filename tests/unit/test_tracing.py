@@ -128,17 +128,12 @@ def test_subscribers_shutdown_is_bounded_and_its_error_logged(fail, caplog):
     store client: a tracer whose collector does not answer is left behind after SHUTDOWN_S
     (its exports would hold it STUCK_S), one whose exporter fails is logged, neither raises."""
     from connector.observability.events import SHUTDOWN_S, Publisher
-    from tests.tracing_kit import STUCK_S, trace_with
+    from tests.tracing_kit import STUCK_S, timed_shutdown, trace_with
 
     caplog.set_level(logging.WARNING, logger="vllm.connector.observability.events")
     events = Publisher()
     writer = trace_with(events.add, fail)
-    t0 = time.monotonic()
-    try:
-        events.shutdown()
-        took = time.monotonic() - t0
-    finally:
-        writer.release.set()
+    took = timed_shutdown(events.shutdown, writer)
     assert took < SHUTDOWN_S + (STUCK_S - SHUTDOWN_S) / 2, took
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert ("failed to shut down" if fail else "still stopping after") in logged, logged
