@@ -317,8 +317,9 @@ class StoreEventLog:
                  wake: Callable[[], None] = lambda: None,
                  where: Callable[[], str] | None = None) -> None:
         self.settings = settings
-        # the sweep's address, asked each round (`sweep_address`: an HA leader moves)
-        self._where = where or (lambda: self.settings.master_http)
+        # the sweep's address, asked each round (`sweep_address`: an HA leader moves); None:
+        # settings.master_http (not a lambda over self: a log in a cycle waits for the collector)
+        self._where = where
         self._tp_size, self._block_size = tp_size, block_size
         self._keys, self._shards, self._count = keys, shards, count
         self._spec = tuple(spec_kinds)
@@ -348,6 +349,9 @@ class StoreEventLog:
         self._sweep_keys = SWEEP_KEYS
         self._withdrawn = False  # this engine stopped using the store (`withdraw_all`)
         self._held: set[Key] = set()  # live blocks whose removal waits for room
+
+    def _address(self) -> str:
+        return self._where() if self._where is not None else self.settings.master_http
 
     def _announced(self, group: int) -> bool:
         kind = self._spec[group][0] if group < len(self._spec) else None
@@ -738,7 +742,7 @@ class StoreEventLog:
         while not self._stop.wait(self.settings.sweep_s):
             t0 = time.perf_counter()
             try:
-                where = self._where()
+                where = self._address()
                 if client is None or client.address != where:
                     if client is not None:
                         client.close()
@@ -765,7 +769,7 @@ class StoreEventLog:
         """One round over every live block, in batches; returns the blocks announced removed.
         A batch whose query fails raises (nothing is removed on a guess)."""
         own = client is None
-        client = client or MasterKeys(self._where())
+        client = client or MasterKeys(self._address())
         with self._lock:
             blocks = list(self._live)
         removed = i = 0
