@@ -307,8 +307,8 @@ KEYS: tuple[Key, ...] = (
     # A 128K-token prompt at block size 16 is 8,192 blocks: the default takes several such
     # prompts' blocks in one step (it was 10,000, which dropped most of a second one's).
     Key("kv_events_queue", "int", 65_536, "blocks the events held until vLLM takes them "
-        "(each step) may carry, the saves planned but not yet landed, and per worker the "
-        "saved blocks not yet reported; beyond it blocks are dropped from the events and "
+        "(each step) may carry, the saves planned but not yet landed (and as many blocks of "
+        "settled saves still landing), and per worker the saved blocks not yet reported; beyond it blocks are dropped from the events and "
         "counted (`vllm:mooncake_pool_kv_events_dropped_total`)", lo=16, hi=10_000_000,
         fix="a count of blocks, e.g. 65536"),
     Key("kv_events_max_live", "int", 65_536, "announced blocks tracked for removal; past it "
