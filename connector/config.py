@@ -308,8 +308,9 @@ KEYS: tuple[Key, ...] = (
     # prompts' blocks in one step (it was 10,000, which dropped most of a second one's).
     Key("kv_events_queue", "int", 65_536, "blocks the events held until vLLM takes them "
         "(each step) may carry, the saves planned but not yet landed (and as many blocks of "
-        "settled saves still landing), and per worker the saved blocks not yet reported; beyond it blocks are dropped from the events and "
-        "counted (`vllm:mooncake_pool_kv_events_dropped_total`)", lo=16, hi=10_000_000,
+        "settled saves still landing), and per worker the saved blocks not yet reported; "
+        "beyond it blocks are dropped from the events and counted "
+        "(`vllm:mooncake_pool_kv_events_dropped_total`)", lo=16, hi=10_000_000,
         fix="a count of blocks, e.g. 65536"),
     Key("kv_events_max_live", "int", 65_536, "announced blocks tracked for removal; past it "
         "the oldest is announced removed (a router forgets it rather than trust a block "
