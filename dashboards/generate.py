@@ -476,7 +476,8 @@ ERRORS_AND_STORE = Dash(
             P("Scheduler lookups by result", "ops", (
                 (rate(series("lookups"), "result"), "{{result}}"),
                 (rate(series("lookups_deferred")), "deferred (waited for a look-ahead turn)"),
-            ), "Lookups per second by result (hit, miss, error, timeout), and arrivals whose "
+            ), "Lookups per second by result (hit, miss, error, timeout; abandoned: its "
+               "request finished or was aborted before vLLM used the answer), and arrivals whose "
                "lookup waited for a turn (lookup_ahead lookups of requests vLLM had not reached "
                "were out already).", width=6),
             P("Keys probed by scheduler lookups", "ops", (

@@ -265,6 +265,17 @@ class MooncakeStoreScheduler:
         if not lk.future.done():
             self._abandoned = [f for f in self._abandoned if not f.done()] + [lk.future]
 
+    def _abandon(self, rid: str) -> None:
+        """`rid` finished, or the store was turned off, before its lookup's answer was used:
+        give the lookup up and count it in `lookups` as abandoned. Without this a look-ahead
+        lookup of a request that left the queue unasked (a client abort) was never counted,
+        so `lookups` missed master traffic that `lookup_keys` showed; with it every lookup
+        started counts once, by how it ended."""
+        lk = self._lookups.pop(rid, None)
+        if lk is not None:
+            self.recorder.count("lookups", "abandoned")
+            self._drop(lk)
+
     def _count_dropped_keys(self, future: cf.Future) -> None:
         """Done callback of a lookup that started (one cancelled first asked nothing)."""
         if future.exception() is None:
@@ -570,9 +581,7 @@ class MooncakeStoreScheduler:
         self._forget(rid)
         self._sync.pop(rid, None)
         self.clock.forget(rid)
-        lk = self._lookups.pop(rid, None)
-        if lk is not None:
-            self._drop(lk)
+        self._abandon(rid)
         if rid in self._loading:  # vLLM frees it when the load ends: no finished_sending
             if rid in self._saved:  # saves of its run before a preemption, ended by then
                 self._saved.discard(rid)
@@ -610,7 +619,7 @@ class MooncakeStoreScheduler:
         self._arrived.clear()
         self._ahead.clear()
         for rid in list(self._lookups):
-            self._drop(self._lookups.pop(rid))
+            self._abandon(rid)
         if self.kv_events is not None:
             self.kv_events.withdraw_all(routers_cleared)
         return True

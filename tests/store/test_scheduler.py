@@ -556,6 +556,21 @@ def test_a_flood_of_arrivals_looks_ahead_a_bounded_way(master, store_node, store
         proxy.stop()
 
 
+def test_every_lookup_started_counts_once_abandoned_ones_included(sched):
+    """A look-ahead lookup whose request finishes (a client abort while queued) before vLLM
+    asks, or is still out when the store is turned off, counts as abandoned; one whose answer
+    was used counts by its result and not again when its request finishes."""
+    used, aborted, cut = (request(r, hashes(r, 4), 4 * BS + 1) for r in ("used", "ab", "cut"))
+    for r in (used, aborted, cut):
+        sched.prefetch(r)
+    assert ask(sched, used) == (0, False)
+    for r in (used, aborted):
+        sched.request_finished(r, [])
+    assert lookup_counts(sched) == {"lookups|miss": 1, "lookups|abandoned": 1}
+    sched.forget_store(routers_cleared=False)
+    assert lookup_counts(sched) == {"lookups|abandoned": 1}
+
+
 def test_a_look_ahead_hit_is_sent_as_a_preload_once(sched, store_client):
     """A request vLLM has not reached is looked up on arrival; once the answer is a hit, the
     next step's metadata carries its prefix (the hit's blocks) for the workers to read into
