@@ -229,10 +229,13 @@ class RecvPool(Generic[J]):
         return len(self._jobs)
 
     def take_peaks(self) -> tuple[int, list[int]]:
-        """Peak queue depth and per-slot busy flags since the previous call."""
-        depth, self._peak_depth = max(self._peak_depth, self.depth()), 0
-        busy = [max(b, f) for b, f in zip(self._busy, self.inflight, strict=True)]
-        self._busy = [0] * len(busy)
+        """Peak queue depth and per-slot busy flags since the previous call. Read and reset
+        under the lock that submits and job starts raise them under (once per stats poll):
+        a peak raised between the read and the reset was lost."""
+        with self._lock:
+            depth, self._peak_depth = max(self._peak_depth, self.depth()), 0
+            busy = [max(b, f) for b, f in zip(self._busy, self.inflight, strict=True)]
+            self._busy = [0] * len(busy)
         return depth, busy
 
     @property

@@ -573,3 +573,35 @@ def test_a_thread_retired_before_its_job_began_leaves_no_call_in_flight(monkeypa
     wait_until(lambda: pool.stuck == 0 and pool.replaced == 1)  # it ran on, then exited
     assert pool.inflight == [0]
     pool.close(1.0)
+
+
+def test_a_peak_reached_while_peaks_are_taken_is_not_lost():
+    """take_peaks reads the peak and resets it while job threads and submitters raise it: a
+    submit landing between the read and the reset was lost (the burst never reached the
+    queue-depth gauge). Pinned here: the submit is made while take_peaks is inside depth(),
+    from another thread given 0.5 s (with the pool's lock held by take_peaks it waits, and
+    lands after the reset). Its job runs before the next take, so only the peak can show it."""
+    release = threading.Event()
+    pool = RecvPool(1, lambda job, slot, ticket: job == "a" and release.wait())
+    try:
+        pool.submit("a")
+        wait_until(lambda: pool.inflight[0] == 1)  # "a" holds the only thread: "b" queues
+        pool.take_peaks()
+        depth, submitter = pool.depth, threading.Thread(target=pool.submit, args=("b",))
+
+        def racing_depth() -> int:
+            n = depth()
+            submitter.start()
+            submitter.join(0.5)
+            return n
+
+        pool.depth = racing_depth
+        assert pool.take_peaks()[0] == 0  # taken before "b" (or, racing, with it lost)
+        del pool.depth
+        submitter.join()
+        release.set()
+        wait_until(lambda: pool.idle)
+        assert pool.take_peaks() == (1, [1])  # "b" queued behind "a", then ran
+    finally:
+        release.set()
+        pool.close(1.0)
