@@ -300,6 +300,11 @@ LOAD_PIPELINE = Dash(
               "vLLM's TTFT, for context: store loads should lower it."),
             store_ttft_panel(),
             store_ttft_phases_panel(),
+            P("Request timelines dropped (TTFT breakdown)", "ops", (
+                (rate(series("ttft_store_dropped")), "dropped"),
+            ), "Request timelines the scheduler dropped unpublished: more than 4096 requests "
+               "looked up and not finished at once (the oldest arrival's goes first). Above 0, "
+               "the two TTFT panels left miss the longest-waiting store hits."),
         )),
         Row("Throughput", (
             P("Load bandwidth per thread and total", "Bps", per_thread_and_total("load_bytes"),

@@ -141,6 +141,8 @@ FAMILIES: tuple[Family, ...] = (
            "How much time to first token does a store hit cost?", buckets=TTFT_BUCKETS),
     Family("ttft_store_phase_seconds", "histogram", ("phase",), "The phases of ttft_store_seconds, per request, in order: lookup (arrival to the store lookup's answer), admit (to the load sent to the workers), load_start (to the load queued on the worker), load_queue (to a receive thread taking it), load_transfer (store get and copies), load_report (to vLLM hearing of it, at a step's end), handoff (the rest of the round trip from the scheduler to the workers and back), reschedule (to the prefill scheduled).",
            "Where does a store hit's extra time to first token go?", buckets=TTFT_BUCKETS),
+    Family("ttft_store_dropped", "counter", (), "Request timelines the scheduler dropped before they were published, because 4096 were open (one per request looked up and not finished; the oldest arrival's goes first) or 4096 finished requests' in-step loads still waited for the workers' account. Those that loaded from the store are missing from ttft_store_seconds and ttft_store_phase_seconds, and they are the longest-waiting ones.",
+           "Does the TTFT breakdown miss requests (more requests in flight than it follows)?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code", "tenant"),
            "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unsafe (a save not made: its request shared a step with an in-step load that failed, so its blocks may be wrong), unavailable (no client), other.",
@@ -207,7 +209,7 @@ def known_series(tp_size: int, tiers: bool = False) -> list[str]:
     rate() alerts work from the first scrape. Lookups run on the scheduler (rank 0 labels).
     `tiers`: the per-tier series too (tier_metrics is on)."""
     keys = [f"lookups|{r}" for r in LOOKUP_RESULTS] + ["lookup_hit_tokens", "lookup_miss_tokens",
-                                                       "lookups_deferred"]
+                                                       "lookups_deferred", "ttft_store_dropped"]
     keys += [f"kv_events|{k}" for k in KV_EVENT_KINDS[:2]]
     keys += [f"kv_events_dropped|{k}" for k in KV_EVENT_KINDS]
     keys += [f"kv_events_removals|{s}" for s in KV_REMOVAL_SOURCES]

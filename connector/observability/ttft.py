@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -37,7 +37,10 @@ from connector.observability.events import (
     request_hash,
 )
 
-MAX_OPEN = 4096  # timelines kept per side; an entry whose request vanished is dropped past it
+# Timelines kept per side; past it the oldest is dropped. On the scheduler every request looked
+# up and not finished holds one (vLLM bounds its running requests, not its waiting queue, so no
+# setting bounds them): a drop there is counted (ttft_store_dropped).
+MAX_OPEN = 4096
 FINISHED_STEPS = 3  # steps a finished request's in-step load may wait for the workers' account
 
 
@@ -196,9 +199,11 @@ class RequestClock:
     as a `RequestEvent` once its prefill is scheduled and every rank's account is in. Called on
     the engine's scheduler thread only."""
 
-    def __init__(self, events: Publisher, tp_size: int) -> None:
+    def __init__(self, events: Publisher, tp_size: int,
+                 count: Callable[..., None] = lambda *_: None) -> None:
         self._events = events
         self._tp_size = tp_size
+        self._count = count  # StatsRecorder.count: the timelines dropped unpublished
         self._open: dict[str, _Timeline] = {}
         # Finished requests whose in-step load still waits for the workers' account (vLLM
         # finishes a request before it hands the scheduler that step's worker output), with
@@ -206,8 +211,12 @@ class RequestClock:
         self._finished: dict[str, tuple[_Timeline, int]] = {}
 
     def arrived(self, req_id: str, trace_headers: Mapping[str, str] | None) -> None:
+        """Past MAX_OPEN the oldest arrival's timeline goes, counted: under a queue that long
+        it is the longest-waiting request's, so the breakdown would otherwise lose the slowest
+        requests without a trace."""
         if len(self._open) >= MAX_OPEN:
             del self._open[next(iter(self._open))]
+            self._count("ttft_store_dropped")
         self._open[req_id] = _Timeline(time.perf_counter(), trace_headers)
 
     def answered(self, req_id: str, t_end: float) -> None:
@@ -250,8 +259,11 @@ class RequestClock:
     def forget(self, req_id: str) -> None:
         """The request finished or was preempted."""
         tl = self._open.pop(req_id, None)
-        if tl is not None and tl.mode == "sync" and len(self._finished) < MAX_OPEN:
-            self._finished[req_id] = (tl, FINISHED_STEPS)
+        if tl is not None and tl.mode == "sync":
+            if len(self._finished) < MAX_OPEN:
+                self._finished[req_id] = (tl, FINISHED_STEPS)
+            else:
+                self._count("ttft_store_dropped")
 
     def _publish(self, rid: str, tl: _Timeline) -> bool:
         """Publish the request's event if its timeline is complete."""

@@ -141,7 +141,8 @@ class MooncakeStoreScheduler:
         self._free_after: list[str] = []
         self.recorder = StatsRecorder()
         self.events = Publisher(self.recorder)
-        self.clock = RequestClock(self.events, self._tp_size)  # where a store hit's TTFT goes
+        # where a store hit's TTFT goes
+        self.clock = RequestClock(self.events, self._tp_size, self.recorder.count)
         # No in-step loads where a failed one could not be reported (load_failures).
         self._step_loads = StepLoadPolicy(
             config.sync_load_ms / 1e3 if in_step_allowed(groups) else 0.0)

@@ -144,6 +144,26 @@ def test_a_finished_request_whose_workers_never_report_is_dropped():
     assert not clock._finished and not clock._open
 
 
+def test_timelines_dropped_past_the_bound_are_counted(monkeypatch):
+    """More requests looked up and not finished than MAX_OPEN: the oldest arrival's timeline
+    goes (a store hit's TTFT never published), and so does a finished in-step load's past the
+    bound; each is counted on /metrics, not lost without a trace."""
+    monkeypatch.setattr(ttft, "MAX_OPEN", 2)
+    rec = StatsRecorder()
+    clock = RequestClock(Publisher(rec), tp_size=1, count=rec.count)
+    for rid in ("oldest", "b", "c"):
+        clock.arrived(rid, None)
+    assert list(clock._open) == ["b", "c"]
+    for rid in ("b", "c"):
+        clock.sent(rid, "sync", 1, 1.0)
+        clock.forget(rid)  # finished before the workers' account: kept while room lasts
+    clock.arrived("d", None)
+    clock.sent("d", "sync", 1, 1.0)
+    clock.forget("d")
+    assert list(clock._finished) == ["b", "c"] and not clock._open
+    assert rec.snapshot().data["c"] == {"ttft_store_dropped": 2}
+
+
 def test_request_event_feeds_histograms_and_a_span_per_request():
     ev = RequestEvent("abcd", "async", 30, True, 100.0,
                       tuple((p, 0.001 * (i + 1)) for i, p in enumerate(TTFT_PHASES)),
