@@ -299,6 +299,13 @@ def _stretches(indices: Sequence[int]) -> list[tuple[int, int]]:
 # and a router that keys a store block by hash alone would let the window's removals (it keeps
 # only its window) erase the full group's credit for the same hash.
 ANNOUNCED_KINDS = (None, "full_attention", "mla_attention")
+# Requests whose save plans are kept until they settle. Every request settles (its saves
+# report done, or it finishes while loading): the bound only catches one that never would.
+# Not kv_events_queue, which counts blocks: at a small setting more requests save at once
+# than it has blocks, and a live plan lost then left its run uncut when it settled, and its
+# unlanded blocks planned, later counted as dropped events. Far above any engine's running
+# requests (vLLM's max_num_seqs) plus those finishing their saves.
+MAX_PLANS = 16_384
 
 
 class StoreEventLog:
@@ -379,7 +386,7 @@ class StoreEventLog:
                 for key in keys:  # faster than OrderedDict.update
                     planned[key] = run
             self._plans.setdefault(request.request_id, []).extend(runs)
-            while len(self._plans) > self.settings.queue:  # requests that never settled
+            while len(self._plans) > MAX_PLANS:  # requests that never settled
                 self._plans.pop(next(iter(self._plans)))
             while len(planned) > self.settings.queue:
                 key, _ = planned.popitem(last=False)

@@ -706,6 +706,28 @@ def test_a_save_that_landed_in_part_keeps_only_what_landed_once_settled():
     assert per_block(roundtrip(ev_log.take())) == first
 
 
+def test_a_plan_outlives_more_concurrent_saves_than_the_queue_has_blocks():
+    """kv_events_queue bounds blocks; requests whose saves have not settled are bounded by the
+    engine's concurrency. A plan lost while its request still saves (more saving requests than
+    the queue has blocks: 16 is a valid setting) left its settled run uncut, its live block
+    keeping the whole run, and its unlanded blocks planned, to be counted as dropped events
+    once later plans pushed them out: a hole in the router's view that is not there."""
+    ev_log, counts = log(queue=16)
+    req = request(8)
+    ev_log.planned(req, range(8), 0)
+    ev_log.landed([(0, 0, (req.block_hashes[3],))])  # the other puts failed
+    for i in range(16):  # 16 more requests save at once, and land
+        other = request(1, f"c{i:02}")
+        ev_log.planned(other, [0], 0)
+        ev_log.landed([(0, 0, tuple(other.block_hashes))])
+        ev_log.take()  # vLLM takes the events each step
+    ev_log.settled("r")
+    assert [run for _, run in ev_log._live.values() if run.rid == "r"][0].hashes == [
+        req.block_hashes[3]]
+    ev_log.planned(request(16, "next"), range(16), 0)  # planned at the bound, not past it
+    assert counts.c[("kv_events_dropped", "stored")] == 0
+
+
 def test_sliding_window_groups_are_not_announced():
     """Only the groups every router indexes: a sliding-window group's removals (it keeps only
     its window) would erase the full group's credit in a router that keys by hash alone."""
