@@ -374,6 +374,7 @@ class StoreEventLog:
         runs = [run for run, _, _ in _runs_of(request, indices, group, self._block_size)]
         with self._lock:
             planned, ranks, late = self._planned, self._ranks, self._late
+            left: dict[_Run, None] = {}  # late parts some of whose blocks left the late list
             for run in runs:
                 keys = _keys(group, run.hashes)
                 for key in list(filter(planned.__contains__, keys)):
@@ -381,10 +382,11 @@ class StoreEventLog:
                     ranks.pop(key, None)
                 if late:
                     for key in list(filter(late.__contains__, keys)):
-                        del late[key]
+                        left[late.pop(key)] = None
                         ranks.pop(key, None)
                 for key in keys:  # faster than OrderedDict.update
                     planned[key] = run
+            self._cut_late(left)
             self._plans.setdefault(request.request_id, []).extend(runs)
             while len(self._plans) > MAX_PLANS:  # requests that never settled
                 self._plans.pop(next(iter(self._plans)))
@@ -411,9 +413,20 @@ class StoreEventLog:
                         late.pop(key, None)
                         late[key] = part
                 self._cut(run)  # some of it landed at most: what did is all it keeps
+            gone: dict[_Run, None] = {}
             while len(late) > self.settings.queue:  # never landed: not news, not counted
-                key, _ = late.popitem(last=False)
+                key, part = late.popitem(last=False)
                 self._ranks.pop(key, None)
+                gone[part] = None
+            self._cut_late(gone)
+
+    def _cut_late(self, parts: Iterable[_Run]) -> None:
+        """(Under the lock.) Late parts some of whose blocks left the late list unlanded (aged
+        out, or planned again): one with blocks announced meanwhile is cut down to what is
+        live (`_cut`), or a block that landed late would keep its whole stretch's tokens."""
+        for part in parts:
+            if part.live:
+                self._cut(part)
 
     def landed(self, records: Iterable[tuple[int, int, Sequence[bytes]]]) -> None:
         """Workers' reports, (rank, group, block hashes) each: a block whose every rank

@@ -594,6 +594,32 @@ def test_blocks_a_save_stores_after_its_request_settled_are_announced():
     assert ev_log.take() == [] and not any(k[0] == "kv_events_dropped" for k in counts.c)
 
 
+def test_a_late_block_keeps_no_more_of_its_run_once_the_rest_left_the_late_list():
+    """One block of a settled save lands late and is announced; the rest of its stretch never
+    lands and ages out of the late list (or is planned again). The announced block then keeps
+    at most four times its live blocks' tokens, as any run once its saves settled: before,
+    one late block kept its whole stretch (a long prompt's tokens) for as long as it stayed
+    live."""
+    for leave in ("age_out", "replanned"):
+        ev_log, _ = log(queue=16)
+        req = request(12)
+        ev_log.planned(req, range(12), 0)
+        ev_log.settled("r")  # nothing landed in time: all 12 wait in the late list
+        ev_log.landed([(0, 0, (req.block_hashes[0],))])  # one lands after all
+        (ev,) = ev_log.take()
+        assert ev.block_hashes == external_hashes(req.block_hashes[:1])
+        if leave == "age_out":
+            other = request(16, "x1")  # 16 more blocks settle unlanded: the 11 age out
+            ev_log.planned(other, range(16), 0)
+            ev_log.settled("x1")
+        else:  # a fresh save of the 11: they are planned now, not late
+            ev_log.planned(req, range(1, 12), 0)
+        assert not any(k in ev_log._late for k in req.block_hashes)
+        (_, run), = ev_log._live.values()
+        assert run.live == 1 and len(run.hashes) <= 4 * run.live, (leave, len(run.hashes))
+        assert run.tokens == req.all_token_ids[:BS] and run.parent is None
+
+
 def test_default_bounds_hold_two_128k_token_prompts_in_one_step():
     """At block size 16 a 128K-token prompt is 8,192 blocks. With the default bounds, two
     such hits announced in one step, and then two such saves planned and landed together,

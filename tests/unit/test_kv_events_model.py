@@ -1,10 +1,13 @@
 """Store KV events against a model, over random sequences of what the scheduler and workers
 do in two KV cache groups holding the same hashes (plans, partial and repeated reports from
-two TP ranks, loads, removals, settled requests, cache resets, the queue and live bounds hit):
-every announced block says the truth about itself (its parent and tokens), a block is live
+two TP ranks, loads, removals, settled requests and reports that come after they settled,
+cache resets, the queue and live bounds hit): every announced block says the truth about itself
+(its parent and tokens) and was stored (every rank reported it since its last plan, or a
+lookup found it), a block is live
 exactly while the model says so, a run's count of live blocks is right, a reset repeats every
 live block as it was first said, and once every request's saves settled no run keeps more
-than four times its live blocks. Seeded, so a failure replays."""
+than four times its live blocks (but for one whose blocks still wait in the late list).
+Seeded, so a failure replays."""
 
 from __future__ import annotations
 
@@ -68,6 +71,17 @@ def said_live(events: list) -> set:
             for h in e.block_hashes}
 
 
+def stored(events: list, reported: dict, loaded: set) -> None:
+    """Every block newly announced was stored: each rank reported it since its last plan, or
+    a lookup found it (`reported`, `loaded`: (group, external hash) each)."""
+    for e in events:
+        if isinstance(e, BlockStored):
+            for h in e.block_hashes:
+                key = (e.group_idx, h)
+                assert reported.get(key) == set(range(TP)) or key in loaded, \
+                    f"block {key} announced before every rank stored it"
+
+
 def check(ev_log: StoreEventLog, events: list, blocks: dict, live: set) -> None:
     for h, parent, tokens in said(events):
         assert blocks[h] == (parent, tokens), "a block announced with another's parent or tokens"
@@ -91,7 +105,9 @@ def check(ev_log: StoreEventLog, events: list, blocks: dict, live: set) -> None:
         "ranks kept for a block neither planned nor late"
 
 
-@pytest.mark.parametrize("seed", range(40))
+# 315: a late block announced, the rest of its stretch aged out (a run that kept 5 blocks
+# for 1 live before `_cut_late`)
+@pytest.mark.parametrize("seed", [*range(40), 315])
 def test_random_histories_keep_every_event_true(seed):
     rng = random.Random(seed)
     reqs = requests(rng)
@@ -101,20 +117,30 @@ def test_random_histories_keep_every_event_true(seed):
                            TP, BS, lambda hs, g: [], 1, Counts(),
                            (("full_attention", None), ("full_attention", None)))
     live: set = set()
+    reported: dict = {}  # (group, external hash) -> the ranks that reported it since its plan
+    loaded: set = set()  # (group, external hash) a lookup found
     for _ in range(60):
         req = rng.choice(reqs)
         n = len(req.block_hashes)
         lo = rng.randrange(n)
         span = range(lo, rng.randrange(lo, n) + 1)
-        op, g = rng.randrange(7), rng.choice([0, 0, 1])  # two groups, the same hashes
+        op, g = rng.randrange(8), rng.choice([0, 0, 1])  # two groups, the same hashes
         if op == 0:  # a save plan, sometimes with a gap
-            ev_log.planned(req, [i for i in span if rng.random() > 0.15], g)
-        elif op == 1:  # one rank's or both ranks' reports, in part
+            indices = [i for i in span if rng.random() > 0.15]
+            ev_log.planned(req, indices, g)
+            for i in indices:
+                reported[(g, external_hash(req.block_hashes[i]))] = set()
+        elif op in (1, 7):  # one rank's or both ranks' reports, in part; 7: after a settle
+            if op == 7:  # its saves finished (past their deadline) with blocks still landing
+                ev_log.settled(req.request_id)
             hashes = tuple(req.block_hashes[i] for i in span if rng.random() > 0.2)
             ranks = rng.choice([[0], [1], [0, 1]])
             ev_log.landed([(r, g, hashes) for r in ranks])
+            for h in hashes:
+                reported.setdefault((g, external_hash(h)), set()).update(ranks)
         elif op == 2:
             ev_log.loaded(req, span, g, time.perf_counter())
+            loaded.update((g, external_hash(req.block_hashes[i])) for i in span)
         elif op == 3:  # the store lost some blocks
             gone = rng.sample(ev_log.live(), min(3, len(ev_log.live())))
             ev_log.missing(gone, "sweep", time.perf_counter())
@@ -129,10 +155,25 @@ def test_random_histories_keep_every_event_true(seed):
             assert said_live(again) == live
             check(ev_log, again, blocks, live)
             continue
-        check(ev_log, ev_log.take(), blocks, live)
+        events = ev_log.take()
+        stored(events, reported, loaded)
+        check(ev_log, events, blocks, live)
     for req in reqs:  # every request's saves settle: a run keeps little it has not live
         ev_log.settled(req.request_id)
     check(ev_log, ev_log.take(), blocks, live)
+    waiting = set(ev_log._late.values())  # may land yet: kept whole
+    for _, run in ev_log._live.values():
+        assert len(run.hashes) <= 4 * run.live or run in waiting, \
+            "a run keeps four times its live blocks"
+    # The rest never lands: it ages out of the late list, and no run keeps more than that.
+    for k in range(ev_log.settings.queue // 17 + 2):
+        tokens = [7000 + k] * (BS * 17)
+        hashes = [hashlib.sha256(f"f{seed}-{k}-{i}".encode()).digest() for i in range(17)]
+        filler = SimpleNamespace(request_id=f"f{k}", all_token_ids=tokens, lora_request=None,
+                                 block_hashes=hashes)
+        ev_log.planned(filler, range(17), 0)
+        ev_log.settled(filler.request_id)
+    assert not set(ev_log._late.values()) & waiting
     for _, run in ev_log._live.values():
         assert len(run.hashes) <= 4 * run.live, "a run keeps four times its live blocks"
     assert not ev_log._planned and not ev_log._plans
