@@ -761,7 +761,15 @@ def load_config(
         notes.append("kv_role kv_consumer: stores " + (
             "prompt and generated blocks (save_decode_tokens)" if parsed["enable_save"]
             else "nothing (set save_decode_tokens or save_decode_cache to store)"))
-    warnings = _resolve_store_tp(parsed)
+    warnings: list[str] = []
+    lcm = merged.get("enable_store_tp_lcm")
+    if type(lcm) is int and lcm:  # the JSON number 1: off in-tree, whose reader asks `is True`
+        parsed["enable_store_tp_lcm"] = False
+        warnings.append(f"{where('enable_store_tp_lcm')}: {lcm!r} is off, as the in-tree "
+                        "connector reads it (only the JSON boolean true turns it on there), "
+                        "so the store TP size is the one it would use; write true to use the "
+                        "least common multiple of prefill_tp_sizes, or false")
+    warnings += _resolve_store_tp(parsed)
     return ConnectorConfig(store=store, load_threads=threads, load_threads_auto=auto,
                            enable_offload=offload, source=source, notes=tuple(notes),
                            warnings=tuple(warnings), **parsed)

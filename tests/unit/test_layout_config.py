@@ -94,6 +94,31 @@ def test_the_store_tp_size_is_the_in_tree_one():
         assert cfg(**extra).store_tp == resolve(extra), extra
 
 
+def test_enable_store_tp_lcm_1_is_off_as_in_tree():
+    """The in-tree worker turns the least common multiple on only for `enable_store_tp_lcm`
+    that `is True` (store/worker.py: resolve_store_tp_size, _select_store_layout): a JSON 1
+    there is off, and the store TP size is store_tp_size's (or the engine's). Here too, with
+    a warning that names the value and the fix: other booleans take 1 as true (the in-tree
+    readers take bool(value)), and this one would have stored blocks under another store TP
+    size than an in-tree engine with the same settings. (Text such as "true" is this
+    connector's own form, on as before.)"""
+    on = 1
+    resolve = in_tree_function("distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py",
+                               "resolve_store_tp_size")
+    for extra in ({"enable_store_tp_lcm": on, "prefill_tp_sizes": [2, 3], "store_tp_size": 2},
+                  {"enable_store_tp_lcm": on, "prefill_tp_sizes": [2, 4]},
+                  {"enable_store_tp_lcm": on, "store_tp_size": 4}):
+        c = cfg(**extra)
+        assert c.store_tp == resolve(extra), extra
+        assert c.enable_store_tp_lcm is False
+        assert c.warnings[0].startswith(
+            f"kv_connector_extra_config.enable_store_tp_lcm: {on!r} is off, as the in-tree "
+            "connector reads it"), c.warnings
+        assert "write true" in c.warnings[0]
+    assert cfg(enable_store_tp_lcm=0, store_tp_size=2).store_tp == 2
+    assert cfg(enable_store_tp_lcm=0, store_tp_size=2).warnings == ()
+
+
 def test_store_tp_size_must_split_the_kv_heads():
     assert [check_store_tp_size(s, 8) for s in (None, 1, 2, 8, 16)] == [0, 1, 2, 8, 16]
     assert check_store_tp_size(4, 1) == 4  # MLA: one latent; any TP size stores it once
