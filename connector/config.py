@@ -414,15 +414,18 @@ def parse_size(value: Any, field_name: str) -> int:
         raise ConfigError(f"{field_name}: expected a size such as 4GB or 536870912, got {value!r}")
     if isinstance(value, float) and math.isfinite(value):
         value = int(value)
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{field_name}: size must be >= 0 bytes, got {value}")
-        return value
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m:
             unit = (m.group(2) or "").upper()[:1].replace("B", "")
-            return int(float(m.group(1)) * _SIZE_UNITS[unit])
+            value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{field_name}: size must be >= 0 bytes, got {value}")
+        if value >= 2**64:  # Mooncake's setup takes a 64-bit size (pybind11 names no field)
+            raise ConfigError(f"{field_name}: size must be below 16 EiB (2**64 bytes), got "
+                              f"{value}; use a size such as 4GB")
+        return value
     raise ConfigError(
         f"{field_name}: cannot parse size {value!r}; use bytes (536870912) or a unit "
         "suffix such as 512MB, 4GB, 1GiB"

@@ -98,6 +98,15 @@ def test_sizes_the_in_tree_reader_takes():
             parse_size(bad, "x")
 
 
+@pytest.mark.parametrize("size", [1e30, float(2**64), "17000000T", "20000000000000000000"])
+def test_a_size_past_what_mooncake_takes_names_the_field(size):
+    """Mooncake's setup takes sizes as 64-bit unsigned integers: a larger one (a JSON 1e30,
+    truncated to an integer since floats are read as in-tree) failed at startup with
+    pybind11's 'incompatible function arguments', naming no field."""
+    msg = error_for({"global_segment_size": size})
+    assert "global_segment_size" in msg and "below 16 EiB" in msg, msg
+
+
 def test_json_one_and_zero_are_booleans_as_in_tree():
     """The in-tree file reader takes bool(enable_offload), so "enable_offload": 1 turns the disk
     tier on there; 1 and 0 are true and false for every boolean here. Other numbers stay
