@@ -358,7 +358,17 @@ def test_engine_local_buffer_size_admits_what_the_connector_takes():
 @pytest.mark.parametrize("metadata", ["http://[fd00::1]:8080/metadata", "http://[::1]/metadata",
                                       "https://[::ffff:10.0.0.1]:443/m", "http://[fd00::1]:8080",
                                       "http://[fd00::1]:65536/metadata", "http://[zz]:80/m",
-                                      "http://fd00::1:8080/metadata", "http://[fd00::1/m"])
+                                      "http://fd00::1:8080/metadata", "http://[fd00::1/m",
+                                      # brackets that hold no IPv6 literal (passed before)
+                                      "http://[:]:8080/m", "http://[1:2]:8080/m",
+                                      "http://[:::]/m", "http://[1::2::3]/m",
+                                      "http://[::1.2.3.999]/m", "http://[1:2:3:4:5:6:7::8:9]/m",
+                                      "http://[12345::1]/m",
+                                      # and some that do
+                                      "http://[1:2:3:4:5:6:7:8]/m", "http://[1::]/m",
+                                      "http://[::]:80/m", "http://[1:2:3:4:5:6:1.2.3.4]/m",
+                                      "http://[FD00:0:0::a]/m", "http://[fe80::1%25eth0]/m",
+                                      "http://[::ffff:255.255.255.255]/m"])
 def test_external_metadata_server_pattern_admits_only_what_the_connector_takes(metadata):
     """IPv6 literals in brackets pass as the connector takes them; no path, a port out of
     range or an address not in brackets are refused as before."""
