@@ -733,7 +733,8 @@ def failover_serve(r: Runs) -> str:
     ]
     return f"""
 In a real `vllm serve` (`tests/e2e/test_ha_failover.py`, commit {k['commit']}, figures in
-`docs/failover.json`; seconds after the fault):
+`docs/failover.json`; TP=1, its worker in the engine-core process, as vLLM runs one GPU;
+seconds after the fault):
 
 {chr(10).join(rows)}
 """
