@@ -96,8 +96,10 @@ def external_hashes(hashes: list[bytes]) -> list[Any]:
 
 
 def external_hash(h: bytes) -> Any:
-    """One block hash in vLLM's external form (`external_hashes`)."""
-    return external_hashes([h])[0]
+    """One block hash in vLLM's external form (`external_hashes`), without the arrays that
+    pay only over many: a removal is one block, and the batch path cost a live-bound trim of
+    a long prompt's blocks tens of milliseconds in the scheduler's step."""
+    return int.from_bytes(h[-8:], "big") if _int_hashes() else h
 
 
 # ---- workers ---------------------------------------------------------------------------------
@@ -580,12 +582,9 @@ class StoreEventLog:
         and trims again."""
         limit, source = (0, "reset") if self._withdrawn else (self.settings.max_live,
                                                               "live_limit")
-        while len(self._live) > limit:
-            key = next(iter(self._live))
-            if not self._push_removed(key):
-                break
-            self._unlive(key)
-            self._count("kv_events_removals", source)
+        excess = len(self._live) - limit
+        if excess > 0:
+            self._remove(list(itertools.islice(self._live, excess)), source)
 
     def withdraw_all(self, routers_cleared: bool) -> None:
         """This engine stopped using the store (its connector cache was reset): no planned
@@ -655,9 +654,35 @@ class StoreEventLog:
             self._repeat = deque(self._live)
 
     # -- removed
-    def _removed_event(self, group: int, h: bytes) -> BlockRemoved:
-        return BlockRemoved(block_hashes=[external_hash(h)], medium=self.settings.medium,
-                            group_idx=group, locality=self.settings.locality)
+    def _remove(self, keys: Sequence[Key], source: str) -> int:
+        """(Under the lock.) Live blocks `keys` (distinct, in order) leave the live set,
+        announced removed, as many as the queue has room for; returns how many. The rest stay
+        live, for a later query or `take` to try again; the first of them is counted (kind
+        removed) the first time only, not at every try. One `BlockRemoved` per group carries
+        them all: an event per block made a trim of a long prompt's blocks past the live
+        bound cost tens of milliseconds in the scheduler's step, mostly the collector's walks
+        over the objects it made."""
+        n = min(len(keys), max(0, self.settings.queue - self._queued_blocks))
+        if n < len(keys) and keys[n] not in self._held:
+            self._held.add(keys[n])
+            self._count("kv_events_dropped", "removed")
+        if not n:
+            return 0
+        taken = keys[:n]
+        groups: dict[int, list[bytes]] = {}
+        if all(map(bytes.__instancecheck__, taken)):  # group 0 only: nearly every model
+            groups[0] = list(taken)
+        else:
+            for group, h in map(_block, taken):
+                groups.setdefault(group, []).append(h)
+        for group, hashes in groups.items():
+            self._push("removed", BlockRemoved(
+                block_hashes=external_hashes(hashes), medium=self.settings.medium,
+                group_idx=group, locality=self.settings.locality), len(hashes))
+        for key in taken:
+            self._unlive(key)
+        self._count("kv_events_removals", source, n=n)
+        return n
 
     def missing(self, blocks: Iterable[tuple[int, bytes]], source: str, before: float) -> int:
         """Blocks a store query found gone: each one announced before `before` (the query's
@@ -667,17 +692,11 @@ class StoreEventLog:
 
     def _missing(self, keys: Iterable[Key], source: str, before: float) -> int:
         """`missing`, of blocks given by their keys."""
-        n = 0
         with self._lock:
-            for key in keys:
-                seen = self._live.get(key)
-                if seen is None or seen[0] >= before:
-                    continue
-                if not self._push_removed(key):
-                    break
-                self._unlive(key)
-                n += 1
-                self._count("kv_events_removals", source)
+            live = self._live
+            gone = [key for key in dict.fromkeys(keys)
+                    if (seen := live.get(key)) is not None and seen[0] < before]
+            n = self._remove(gone, source) if gone else 0
         if n:
             self._wake()  # an idle engine publishes them now, not at its next request
         return n
@@ -688,21 +707,10 @@ class StoreEventLog:
             return list(map(_block, self._live))
 
     # -- queue
-    def _push_removed(self, key: Key) -> bool:
-        """(Under the lock.) Queue block `key`'s `BlockRemoved`; False when the full queue
-        cannot take it: the block stays live for a later query or `take` to try again, and is
-        counted (kind removed) the first time only, not at every try."""
-        if self._push("removed", self._removed_event(*_block(key))):
-            return True
-        if key not in self._held:
-            self._held.add(key)
-            self._count("kv_events_dropped", "removed")
-        return False
-
     def _push(self, kind: str, ev: KVCacheEvent, blocks: int = 1) -> bool:
         """Queue an event of `blocks` blocks (under the lock); False when the queue
         (`kv_events_queue` blocks) has no room for them (a `BlockStored` is then dropped and
-        counted here; a removal waits: `_push_removed`)."""
+        counted here; a removal waits: `_remove`)."""
         if self._queued_blocks + blocks > self.settings.queue:
             if kind == "stored":
                 self._count("kv_events_dropped", kind, n=blocks)

@@ -25,8 +25,9 @@ class Topic:
     `AllBlocksCleared` (its prefix cache reset) empties it, as Dynamo and llm-d empty every
     tier of that engine; `clears` holds the index in `stored` at which each came. A
     `BlockStored` of several blocks (a run, each the child of the one before) is kept as one
-    single-block `BlockStored` per block, as a router indexes them; `events` counts the
-    events as they came."""
+    single-block `BlockStored` per block, as a router indexes them, and a `BlockRemoved` of
+    several blocks (the engine withdraws a sweep's or a trim's blocks in one) likewise;
+    `events` counts the `BlockStored` events as they came."""
 
     stored: list[BlockStored] = field(default_factory=list)
     removed: list[BlockRemoved] = field(default_factory=list)
@@ -87,7 +88,8 @@ class Subscriber:
                                             "while it is live")
                     t.live.add((ev.group_idx, h))
             elif isinstance(ev, BlockRemoved):
-                t.removed.append(ev)
+                t.removed += [msgspec.structs.replace(ev, block_hashes=[h])
+                              for h in ev.block_hashes]
                 for h in ev.block_hashes:
                     if (ev.group_idx, h) not in t.live:
                         t.violations.append(f"BlockRemoved for {h} (group {ev.group_idx}), "

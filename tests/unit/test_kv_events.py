@@ -298,8 +298,10 @@ def test_live_limit_withdraws_the_oldest():
     ev_log.planned(req, range(20), 0)
     ev_log.landed([(0, 0, tuple(req.block_hashes))])
     events = ev_log.take()
-    removed = [e.block_hashes[0] for e in events if isinstance(e, BlockRemoved)]
-    assert removed == [external_hash(h) for h in req.block_hashes[:4]]
+    removals = [e for e in events if isinstance(e, BlockRemoved)]
+    # One event for the trim's blocks, oldest first (an event per block cost the step more
+    # than the blocks' announcement).
+    assert [e.block_hashes for e in removals] == [external_hashes(req.block_hashes[:4])]
     assert len(ev_log.live()) == 16
     assert counts.c[("kv_events_removals", "live_limit")] == 4
 
@@ -315,8 +317,7 @@ def test_a_trim_the_full_queue_cannot_take_waits_for_the_next_take():
     assert counts.c[("kv_events_dropped", "removed")] == 1
     assert len(ev_log.live()) == 2
     removed = ev_log.take()
-    assert [e.block_hashes for e in removed] == [[external_hash(h)]
-                                                 for h in req.block_hashes[:2]]
+    assert [e.block_hashes for e in removed] == [external_hashes(req.block_hashes[:2])]
     assert all(isinstance(e, BlockRemoved) for e in removed)
     assert counts.c[("kv_events_removals", "live_limit")] == 2
 
@@ -346,6 +347,31 @@ def test_a_sweep_removes_a_block_any_of_whose_shards_is_gone_in_its_own_group():
     assert sorted(k for ks in asked for k in ks) == sorted(
         f"g{g}/{h.hex()}/s{s}" for g in (0, 1) for h in req.block_hashes for s in (0, 1))
     assert counts.c[("kv_events_sweep_keys",)] == 12  # every key asked, on /metrics
+
+
+def test_blocks_found_gone_together_go_in_one_removal_per_group():
+    """What one query finds gone is withdrawn in one `BlockRemoved` per group, each block
+    once however often the query names it, oldest first; with room in the queue for only
+    some, the rest stay live, the first of them counted dropped once."""
+    ev_log, counts = log(spec=(("full_attention", None), ("full_attention", None)), queue=6)
+    req = request(3)
+    for g in (0, 1):
+        ev_log.loaded(req, range(3), g, time.perf_counter())
+    ev_log.take()
+    hs = req.block_hashes
+    gone = [(0, hs[0]), (1, hs[0]), (0, hs[1]), (0, hs[0]), (1, hs[2])]
+    assert ev_log.missing(gone, "sweep", time.perf_counter()) == 4
+    assert [(e.group_idx, e.block_hashes) for e in ev_log.take()] == [
+        (0, external_hashes([hs[0], hs[1]])), (1, external_hashes([hs[0], hs[2]]))]
+    assert counts.c[("kv_events_removals", "sweep")] == 4
+    ev_log.cleared()
+    ev_log.take()  # the two left, announced again
+    ev_log.loaded(request(5, "x"), range(5), 0, time.perf_counter())  # 5 of the queue's 6
+    left = [(0, hs[2]), (1, hs[1])]
+    assert ev_log.missing(left, "lookup", time.perf_counter()) == 1  # room for one
+    assert ev_log.missing(left, "lookup", time.perf_counter()) == 0
+    assert counts.c[("kv_events_dropped", "removed")] == 1
+    assert (1, hs[1]) in ev_log.live() and len(ev_log.live()) == 6
 
 
 def test_a_sweep_asks_fewer_keys_a_request_once_a_proxy_refuses_its_urls(caplog):
