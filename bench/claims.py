@@ -954,7 +954,8 @@ def router_dynamo(r: Runs) -> str:
 CONTROL_STEPS = {"lookup": "lookup", "plan": "load plan",
                  "load_prep_first": "load prep, first use", "load_prep": "load prep",
                  "save_plan": "save plan", "save_prep": "save prep",
-                 "events_load": "KV events, load", "events_save": "KV events, save"}
+                 "events_load": "KV events, load", "events_save": "KV events, save",
+                 "events_load_full": "KV events, load into a full live set"}
 
 
 def control_path(r: Runs) -> str:

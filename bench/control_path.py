@@ -26,6 +26,10 @@ Steps, each timed on its own (wall and this process's CPU, which counts every th
   save planned, reported landed by the save thread (`_landed`, `WorkerLanded`), announced once
   landed, then taken for vLLM's publisher (`take`). A fresh event log each time: a block's
   first announcement, not a repeat of one still live;
+- `events_load_full`: `events_load` into a log at its live bound (`kv_events_max_live`, here
+  the prompt's blocks, all held by another prompt's): each block announced withdraws the
+  oldest live one in the same step, the steady state of an engine whose live set filled
+  before the store evicted its blocks. In neither total;
 - `events_sweep`: one round of the KV events' removal sweep over the hit's blocks, live
   (`StoreEventLog.sweep`: every block's keys asked of the master's admin port, 256 keys a
   request, on one kept-alive connection, as the sweep thread does). Not a per-request cost: a
@@ -72,6 +76,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.distributed.kv_events import BlockStored
 from vllm.utils.gc_utils import freeze_gc_heap
 
 from bench.testbed import OthersMeter, Testbed, open_client
@@ -92,6 +97,7 @@ TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 TARGET_MS_PER_1000_BLOCKS = 2.0
 EVENT_STEPS = ("events_load", "events_save")
 ROUND_STEPS = ("events_sweep",)  # per sweep round, not per request: in no total
+FULL_STEPS = ("events_load_full",)  # at the live bound: a state, not every request's cost
 Sample = tuple[float, float, float | None]  # wall ms, this process's CPU ms, the master's
 
 
@@ -176,21 +182,30 @@ class Ours:
                                all_token_ids=list(range(1000, 1000 + n)), lora_request=None,
                                mm_features=[], prompt_embeds=None, cache_salt=None)
 
-    def _events(self) -> StoreEventLog:
-        """A fresh scheduler's store event log with room for every block (its sweep thread
-        not started: `events_sweep` runs a round itself), kept to the end of the round."""
+    def _events(self, max_live: int = 1 << 20) -> StoreEventLog:
+        """A fresh scheduler's store event log with room for every block in its queue (its
+        sweep thread not started: `events_sweep` runs a round itself), kept to the end of the
+        round."""
         log = StoreEventLog(EventSettings("STORAGE", None, 0.0, self.master_http, 1 << 20,
-                                          1 << 20), 1, BLOCK, self.keys.all_shard_keys, 1,
+                                          max_live), 1, BLOCK, self.keys.all_shard_keys, 1,
                             lambda *a, **k: None, (("full_attention", None),))
         self._logs.append(log)
+        return log
+
+    def _full_events(self, n: int) -> StoreEventLog:
+        """An event log at its live bound of `n` blocks, every one another prompt's."""
+        log = self._events(max_live=n)
+        fill = [hashlib.sha256(f"ctl-live-{i}".encode()).digest() for i in range(n)]
+        log.loaded(self._request(fill), range(n), 0, 0.0)
+        log.take()
         return log
 
     @staticmethod
     def _events_load(log: StoreEventLog, req: SimpleNamespace) -> int:
         """The hit's blocks announced (live after the events were taken: what the sweep
-        walks); how many blocks the events announced."""
+        walks); how many blocks the events announced stored."""
         log.loaded(req, range(len(req.block_hashes)), 0, 0.0)
-        return sum(len(e.block_hashes) for e in log.take())
+        return sum(len(e.block_hashes) for e in log.take() if isinstance(e, BlockStored))
 
     @staticmethod
     def _events_save(log: StoreEventLog, req: SimpleNamespace) -> int:
@@ -248,6 +263,10 @@ class Ours:
         assert announced == len(ids), f"{announced} blocks announced of a hit of {len(ids)}"
         *out["events_sweep"], gone = timed(lambda: log.sweep(self.sweeper), self.master_cpu)
         assert gone == 0 and len(log.live()) == len(ids), f"the sweep removed {gone} blocks"
+        full = self._full_events(len(ids))
+        *out["events_load_full"], announced = timed(lambda: self._events_load(full, req))
+        assert announced == len(ids) and set(full.live()) == {(0, h) for h in hashes}, \
+            "the hit's blocks did not replace the live set's"
         self.sched.update_connector_output(SimpleNamespace(finished_sending=None,
                                                            finished_recving={req.request_id}))
         self.sched.request_finished(req, [*ids, self.tail])
@@ -374,7 +393,7 @@ def run(rounds: int, tokens: tuple[int, ...] = TOKENS, layers: int = LAYERS) -> 
         o, i = row["ours"], row["in_tree"]
         row["ours_end_to_end_ms"] = round(sum(
             o[s]["wall_ms"] for s in o if s not in ("load_prep_first", *EVENT_STEPS,
-                                                    *ROUND_STEPS)), 3)
+                                                    *ROUND_STEPS, *FULL_STEPS)), 3)
         row["ours_with_kv_events_ms"] = round(row["ours_end_to_end_ms"] + sum(
             o[s]["wall_ms"] for s in EVENT_STEPS), 3)
         # Against the in-tree connector, which makes its lists every time: ours made too.
