@@ -764,15 +764,8 @@ def load_config(
         notes.append("kv_role kv_consumer: stores " + (
             "prompt and generated blocks (save_decode_tokens)" if parsed["enable_save"]
             else "nothing (set save_decode_tokens or save_decode_cache to store)"))
-    warnings: list[str] = []
-    lcm = merged.get("enable_store_tp_lcm")
-    if type(lcm) is int and lcm:  # the JSON number 1: off in-tree, whose reader asks `is True`
-        parsed["enable_store_tp_lcm"] = False
-        warnings.append(f"{where('enable_store_tp_lcm')}: {lcm!r} is off, as the in-tree "
-                        "connector reads it (only the JSON boolean true turns it on there), "
-                        "so the store TP size is the one it would use; write true to use the "
-                        "least common multiple of prefill_tp_sizes, or false")
-    warnings += _resolve_store_tp(parsed)
+    warnings = _resolve_store_tp(parsed, merged.get("enable_store_tp_lcm"),
+                                 where("enable_store_tp_lcm"))
     return ConnectorConfig(store=store, load_threads=threads, load_threads_auto=auto,
                            enable_offload=offload, source=source, notes=tuple(notes),
                            warnings=tuple(warnings), **parsed)
@@ -840,13 +833,21 @@ def _tenant_id(raw: Any, at: str) -> str:
     return tenant
 
 
-def _resolve_store_tp(parsed: dict[str, Any]) -> list[str]:
+def _resolve_store_tp(parsed: dict[str, Any], raw_lcm: Any, lcm_at: str) -> list[str]:
     """The in-tree store TP keys: store_tp_size, or enable_store_tp_lcm with prefill_tp_sizes.
     The in-tree worker (store/worker.py: resolve_store_tp_size, _select_store_layout) reads
     prefill_tp_sizes only with enable_store_tp_lcm, and store_tp_size only without it; a
     deployment that sets the other one too starts there, so it starts here, with the same store
-    TP size. The ignored value is dropped from `parsed`; returns a warning naming it, as the
-    operator who set it expected it to count."""
+    TP size. It turns the lcm on only for `is True`: `raw_lcm` (as given, at `lcm_at`) the
+    JSON number 1 is off. What is ignored is dropped from `parsed`; returns a warning naming
+    each, as the operator who set it expected it to count."""
+    warnings = []
+    if type(raw_lcm) is int and raw_lcm:
+        parsed["enable_store_tp_lcm"] = False
+        warnings.append(f"{lcm_at}: {raw_lcm!r} is off, as the in-tree connector reads it "
+                        "(only the JSON boolean true turns it on there), so the store TP size "
+                        "is the one it would use; write true to use the least common multiple "
+                        "of prefill_tp_sizes, or false")
     lcm, sizes = parsed["enable_store_tp_lcm"], parsed["prefill_tp_sizes"]
     if lcm and sizes is None:
         raise ConfigError(f"{EXTRA}.enable_store_tp_lcm: needs prefill_tp_sizes (the writers' "
@@ -854,7 +855,7 @@ def _resolve_store_tp(parsed: dict[str, Any]) -> list[str]:
     ignored = "store_tp_size" if lcm else "prefill_tp_sizes"
     value = parsed[ignored]
     if value is None:
-        return []
+        return warnings
     parsed[ignored] = None
     if lcm:
         used = f"{math.lcm(*sizes)}, the least common multiple of prefill_tp_sizes {list(sizes)}"
@@ -864,7 +865,7 @@ def _resolve_store_tp(parsed: dict[str, Any]) -> list[str]:
         used = f"store_tp_size {tp}" if tp else "this engine's TP size (store_tp_size unset)"
         fix = "remove prefill_tp_sizes, or set enable_store_tp_lcm: true to use it"
     shown = list(value) if isinstance(value, tuple) else value
-    return [f"{EXTRA}.{ignored}: {shown} ignored (as by the in-tree connector) with "
+    return [*warnings, f"{EXTRA}.{ignored}: {shown} ignored (as by the in-tree connector) with "
             f"enable_store_tp_lcm {str(lcm).lower()}; the store TP size is {used}; {fix}"]
 
 
