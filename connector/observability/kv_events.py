@@ -37,7 +37,7 @@ import logging
 import operator
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -550,12 +550,17 @@ class StoreEventLog:
                 live[key] = (seen, was[1])
             live.move_to_end(key)
 
-    def _unlive(self, key: Key) -> None:
-        """(Under the lock.) Block `key` leaves the live set."""
-        _, run = self._live.pop(key)
-        run.live -= 1
-        self._cut(run)
-        self._held.discard(key)
+    def _unlive(self, keys: Sequence[Key]) -> None:
+        """(Under the lock.) Live blocks `keys` (distinct) leave the live set. Each run they
+        referred to is cut once after (`_cut`), not at every block: past the live bound each
+        block announced withdraws an old one, and a call per block cost a long prompt's
+        announcement into a full live set more than the announcement itself."""
+        runs = Counter(map(operator.itemgetter(1), map(self._live.pop, keys)))
+        for run, n in runs.items():
+            run.live -= n
+            self._cut(run)
+        if self._held:
+            self._held.difference_update(keys)
 
     def _cut(self, run: _Run) -> None:
         """(Under the lock.) A run under a quarter of whose blocks are live is cut down to
@@ -563,7 +568,7 @@ class StoreEventLog:
         would keep a long prompt's tokens. Asked when a block leaves the live set, when blocks
         of the run did not fit in the queue, and when a request's saves settled (the blocks
         that never landed are then known)."""
-        if run.live * 4 >= len(run.hashes):
+        if run.live * 4 >= len(run.hashes) or run.live <= 0:  # whole, or none to keep
             return
         live, keys = self._live, _keys(run.group, run.hashes)
         kept = [i for i, key in enumerate(keys)
@@ -613,8 +618,7 @@ class StoreEventLog:
 
     def _drop_live(self) -> None:
         """(Under the lock.) Every live block leaves the live set, unannounced."""
-        for key in list(self._live):
-            self._unlive(key)
+        self._unlive(list(self._live))
 
     def _stored_event(self, pieces: Sequence[tuple[_Run, int, int]]) -> BlockStored:
         """One `BlockStored` for blocks of one group, each the child of the one before: the
@@ -679,8 +683,7 @@ class StoreEventLog:
             self._push("removed", BlockRemoved(
                 block_hashes=external_hashes(hashes), medium=self.settings.medium,
                 group_idx=group, locality=self.settings.locality), len(hashes))
-        for key in taken:
-            self._unlive(key)
+        self._unlive(taken)
         self._count("kv_events_removals", source, n=n)
         return n
 
