@@ -152,6 +152,22 @@ def test_recv_threads_auto_with_a_maximum(helm):
     assert parsed.load_threads_auto and parsed.load_threads == 6
 
 
+def test_a_thread_maximum_without_auto_is_refused_at_render(helm):
+    """load_threads_max in the defaults' extraConfig and a deployment with a fixed recvThreads:
+    the connector refuses that pair at startup (the engine would crash-loop), so helm does."""
+    values = {"deploymentDefaults": {"model": "m", "recvThreads": "auto",
+                                     "extraConfig": {"load_threads_max": 16}},
+              "deployments": [{"name": "adaptive"}, {"name": "fixed", "recvThreads": 4}]}
+    with pytest.raises(ConfigError, match="load_threads_max: only used with load_threads: auto"):
+        load_config({"master_server_address": "m:1", "metadata_server": "http://m:2/metadata",
+                     "load_threads_max": 16}, {"VLLM_MOONCAKE_LOAD_RECV_THREADS": "4"})
+    assert ("deployments[fixed]: extraConfig.load_threads_max is used only with recvThreads: "
+            "auto, not 4; set recvThreads to auto or remove load_threads_max"
+            in helm.error(values=values))
+    values["deployments"].pop()
+    assert set(vllm_containers(helm.render(values=values))) == {"adaptive"}
+
+
 def test_each_deployment_has_its_own_mooncake_configmap(helm):
     docs = helm.render("-f", str(CI_VALUES))
     cms = by_kind(docs, "ConfigMap")

@@ -257,6 +257,12 @@ Call with (dict "out" $d "defaults" .Values.deploymentDefaults "entry" $entry "r
 {{- fail (printf "%s: model is required" $where) }}
 {{- end }}
 {{- include "mpc.checkEnv" (dict "env" $out.extraEnv "where" $where) }}
+{{- /* The connector refuses this pair at startup; the schema cannot see it once a default's
+extraConfig meets an entry's recvThreads. */}}
+{{- $ec := $out.extraConfig | default dict }}
+{{- if and (hasKey $ec "load_threads_max") (not (kindIs "invalid" (index $ec "load_threads_max"))) (ne (toString $out.recvThreads) "auto") }}
+{{- fail (printf "%s: extraConfig.load_threads_max is used only with recvThreads: auto, not %v; set recvThreads to auto or remove load_threads_max" $where $out.recvThreads) }}
+{{- end }}
 {{- $mt := .root.Values.master.multiTenants }}
 {{- if and $mt.enabled (not $mt.tenants) }}
 {{- fail "master.multiTenants.enabled: list the tenants and their quotas in master.multiTenants.tenants" }}
