@@ -718,6 +718,39 @@ def test_helm_page_documents_every_value():
     assert not missing, f"document these values in docs/helm.md: {missing}"
 
 
+def _begins_a_failure(quoted: str, fmt: str) -> bool:
+    """Whether `quoted` is the start of a message that printf format `fmt` can produce (each
+    %s, %d, %q or %v stands for one or more characters), ending in the format's own text."""
+    parts = re.split(r"%[sdqv]", fmt.replace('\\"', '"'))
+
+    def fits(text: str, i: int) -> bool:
+        head = parts[i]
+        if len(text) <= len(head) or i == len(parts) - 1:
+            return head.startswith(text) if len(text) <= len(head) else text == head
+        if not text.startswith(head):
+            return False
+        return any(fits(text[j:], i + 1) for j in range(len(head) + 1, len(text)))
+
+    return fits(quoted, 0)
+
+
+def test_helm_page_quotes_only_failures_the_templates_have():
+    """The template failures docs/helm.md quotes are ones a template can raise: a quoted check
+    that was dropped tells operators their values would be refused when they are not."""
+    readme = (ROOT / "docs" / "helm.md").read_text()
+    sentence = readme.split("They fail with messages such as", 1)[1].split(".\n", 1)[0]
+    quoted = re.findall(r"`([^`]+)`", sentence)
+    assert len(quoted) >= 3, sentence
+    templates = "".join(p.read_text() for p in sorted((CHART / "templates").rglob("*"))
+                        if p.is_file())
+    formats = re.findall(r'fail \(printf "((?:[^"\\]|\\.)*)"', templates)
+    assert any(_begins_a_failure('deployments: name "a" is used twice', f) for f in formats)
+    assert not _begins_a_failure("deployments: name", "deployments[%s]: model is required")
+    assert not _begins_a_failure("deployments[a]: protocol rdma", "%s: model is required")
+    unknown = [q for q in quoted if not any(_begins_a_failure(q, f) for f in formats)]
+    assert not unknown, f"docs/helm.md quotes failures no template raises: {unknown}"
+
+
 def test_helm_page_walkthrough_values_install(helm, tmp_path):
     """The my-values.yaml of docs/helm.md's walkthrough installs (dry run) and validates."""
     readme = (ROOT / "docs" / "helm.md").read_text()
