@@ -571,6 +571,20 @@ def test_every_lookup_started_counts_once_abandoned_ones_included(sched):
     assert lookup_counts(sched) == {"lookups|abandoned": 1}
 
 
+def test_a_prefix_in_vllms_own_cache_ends_its_lookup_abandoned(sched, store_client):
+    """A repeated prompt whose full blocks vLLM's own prefix cache holds: looked up on arrival,
+    never asked about, so the lookup ends abandoned when the request finishes, with nothing to
+    load. Alerts MooncakePoolNoSuccessfulStoreOps and MooncakePoolStoreHitRateZero leave such
+    lookups out, or a healthy engine serving repeated prompts pages."""
+    hs = hashes("local", 4)
+    store_blocks(store_client, sched, hs)
+    r = request("r", hs, 4 * BS + 5)
+    sched.prefetch(r)
+    assert ask(sched, r, computed=4 * BS) == (0, False)
+    sched.request_finished(r, [])
+    assert lookup_counts(sched) == {"lookups|abandoned": 1}
+
+
 def test_a_look_ahead_hit_is_sent_as_a_preload_once(sched, store_client):
     """A request vLLM has not reached is looked up on arrival; once the answer is a hit, the
     next step's metadata carries its prefix (the hit's blocks) for the workers to read into
