@@ -87,6 +87,15 @@ def groups_from_kv_cache_config(kv_cache_config: Any, block_size: int
     """The groups of vLLM's KVCacheConfig (one full group when there is none, as in tests)."""
     if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
         return ONE_FULL
+    # Block i is keyed by request.block_hashes[i], which names tokens [0, (i+1)*block_size)
+    # only if vLLM hashes per block. A hybrid model's --prefix-match-unit hashes finer: hash i
+    # then names a shorter prefix, and prompts that differ later in block i share its key.
+    hash_bs = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_bs not in (None, block_size):
+        raise GroupError(
+            f"vLLM hashes prompts every {hash_bs} tokens (prefix_match_unit), not per "
+            f"{block_size}-token block; this connector keys each block by its block hash. "
+            "Unset --prefix-match-unit, or serve this model without the connector")
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MLAAttentionSpec,

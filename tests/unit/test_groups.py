@@ -133,3 +133,36 @@ def _uniform(other) -> list:
 def test_groups_the_store_cannot_hold_are_refused(groups, why):
     with pytest.raises(GroupError, match=why):
         groups_from_kv_cache_config(_config(*groups), BS)
+
+
+def test_hashes_finer_than_a_block_are_refused():
+    """A hybrid model served with --prefix-match-unit 16 at 32-token blocks: vLLM hashes every
+    16 tokens (resolve_kv_cache_block_sizes), so block_hashes[0] names tokens [0, 16) only, and
+    two prompts that differ in tokens 16-31 share block 0's store key: one would load the
+    other's KV. Before, the connector took those hashes as one per block."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.request import Request
+
+    config = _config((["a"], _spec(64)), (["b"], FULL_SPEC))
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=True, prefix_match_unit=16),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        kv_transfer_config=object())
+    assert resolve_kv_cache_block_sizes(config, vllm_config) == (BS, 16)
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    hasher = get_request_block_hasher(16, fn)
+    one, other = (Request(r, tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+                  for r, tokens in (("1", list(range(65))), ("2", [*range(16), *[9] * 49])))
+    assert one.block_hashes[0] == other.block_hashes[0]  # block 0's key, were it taken as is
+    config.hash_block_size = 16  # as EngineCore sets it on the connector's config
+    with pytest.raises(GroupError, match="every 16 tokens"):
+        groups_from_kv_cache_config(config, BS)
+    config.hash_block_size = BS
+    assert [g.kind for g in groups_from_kv_cache_config(config, BS)] == [SLIDING, FULL]
