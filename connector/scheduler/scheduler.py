@@ -32,7 +32,8 @@ block table, a sliding-window group only the window blocks. vLLM frees a sliding
 as soon as the request moves past it, while a save may still read it, so the blocks a save
 takes from such a group are pinned in vLLM's block pool (`touch`) until the request's saves are
 done (reported in finished_sending) or it is preempted (the worker then waits for its saves
-before the next forward).
+before the next forward), including by vLLM's reset of running requests, which needs every block
+free before the next step tells of the preemption (`bind_block_pool`).
 """
 
 from __future__ import annotations
@@ -522,6 +523,16 @@ class MooncakeStoreScheduler:
     # ---- pins of sliding-window blocks under saves ----------------------------------------
     def bind_block_pool(self, pool: Any) -> None:
         self._pool = pool
+        # vLLM's reset_prefix_cache(reset_running_requests=True) (pause_generation with
+        # clear_cache, mode "keep") preempts every running request outside a step, then fails
+        # (raising) unless every block is free: the pins of those requests go first.
+        reset = pool.reset_prefix_cache
+
+        def reset_prefix_cache() -> bool:
+            self._unpin_preempted()
+            return reset()
+
+        pool.reset_prefix_cache = reset_prefix_cache
 
     @property
     def block_pool(self) -> Any:
@@ -538,6 +549,16 @@ class MooncakeStoreScheduler:
             return
         self._pool.touch([self._pool.blocks[b] for b in block_ids])
         self._pins.setdefault(rid, []).extend(block_ids)
+
+    def _unpin_preempted(self) -> None:
+        """Release the pins of requests vLLM preempted since the last step. As for any
+        preemption, the next step lists them and the worker waits for their saves before its
+        forward, so no new owner writes their blocks under a save."""
+        from vllm.v1.request import RequestStatus
+
+        for rid in [r for r in self._pins if (tr := self._tracked.get(r)) is not None
+                    and tr.request.status == RequestStatus.PREEMPTED]:
+            self._unpin(rid)
 
     def _unpin(self, rid: str) -> None:
         ids = self._pins.pop(rid, None)

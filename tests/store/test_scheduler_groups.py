@@ -165,3 +165,54 @@ def test_an_engine_that_cannot_write_its_layout_saves_nothing(sched):
         {"r": 3 * BS + 1}))
     assert meta.saves == () and s.request_finished(req, [1, 2, 3, 4]) == (False, None)
     assert sched(groups=ONE_FULL, tp=2, store_tp=2).saves
+
+
+def test_vllms_reset_of_running_requests_frees_their_pinned_blocks(master, tiny_model):
+    """vLLM's reset_prefix_cache(reset_running_requests=True), which pause_generation(mode=
+    "keep", clear_cache=True) does around a weight update, preempts every running request
+    outside a step and then needs every block free. A running request of a hybrid model holds
+    pins on the sliding-window blocks its saves read; before, they were released only at the
+    next step, so vLLM's reset raised RuntimeError. Its real Scheduler, with this connector."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    ktc = KVTransferConfig(kv_connector="PooledMooncakeStoreConnector",
+                           kv_connector_module_path="connector", kv_role="kv_both",
+                           kv_connector_extra_config=master.store_config(lookup_wait_ms=10000))
+    config = VllmConfig(model_config=ModelConfig(model=tiny_model, dtype="float32"),
+                        cache_config=CacheConfig(block_size=BS), kv_transfer_config=ktc)
+    config.cache_config.num_gpu_blocks = 64
+    kw = {"block_size": BS, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    kv_cache_config = KVCacheConfig(64, [], [
+        KVCacheGroupSpec(["l0"], SlidingWindowSpec(sliding_window=64, **kw)),
+        KVCacheGroupSpec(["l1"], FullAttentionSpec(**kw))])
+    s = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, block_size=BS,
+                  structured_output_manager=StructuredOutputManager(config), log_stats=False)
+    try:
+        s.connector.scheduler.add_layout({0: "registered"})  # the worker's report
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
+        s.add_request(Request("r", list(range(10 * BS)), SamplingParams(max_tokens=8), None,
+                              block_hasher=get_request_block_hasher(BS, fn)))
+        out = s.schedule()
+        assert [t.group for t in out.kv_connector_metadata.saves] == [0, 1]
+        s.update_from_output(out, ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0},
+                                                    sampled_token_ids=[[7]]))
+        assert [r.request_id for r in s.running] == ["r"]
+        assert s.reset_prefix_cache(reset_running_requests=True)
+        assert s.schedule().kv_connector_metadata.preempted == ("r",)
+    finally:
+        s.shutdown()
