@@ -3,13 +3,13 @@ fingerprint.
 
     <cache_prefix>/<model>/<fingerprint>/g<group>s<shard>of<shards>/<block hash hex>
 
-The fingerprint hashes everything that defines a stored object's bytes: model identity, dtype,
-block size, the model's KV heads and how many store shards split them, head size, layers, hash
-algorithm, device, and the signature of the registered KV memory (each group's layers in
-order, with each layer's per-shard shape, memory order and element type; the attention
-backend). It does not hash this engine's TP size: an object holds a shard of the heads, the
-same bytes whichever TP size wrote it, so engines of other TP sizes read it. Two layouts that
-differ in any of the bytes never share a key; they simply miss.
+The fingerprint hashes everything that defines a stored object's bytes: model identity, how its
+weights are quantized, dtype, block size, the model's KV heads and how many store shards split
+them, head size, layers, hash algorithm, device, and the signature of the registered KV memory
+(each group's layers in order, with each layer's per-shard shape, memory order and element
+type; the attention backend). It does not hash this engine's TP size: an object holds a shard
+of the heads, the same bytes whichever TP size wrote it, so engines of other TP sizes read it.
+Two layouts that differ in any of the bytes never share a key; they simply miss.
 
 The key is unambiguous by construction: `cache_prefix` is letters, digits, `.`, `_`, `-`
 (checked in the config), the model part is reduced to that set, and every other part is hex
@@ -55,6 +55,11 @@ class Layout:
     # --enable_multi_tenants ignores the client's tenant (one tenant reads another's objects),
     # so the tenant is part of the keys: tenants never share a block on any master.
     tenant: str = ""
+    # How the weights are quantized ("" for not at all): vLLM's method and its settings. The
+    # same model quantized computes other keys and values for the same tokens, so an engine
+    # serving it (`--quantization fp8_per_tensor`) must not read the unquantized engines'
+    # blocks, nor they its.
+    quantization: str = ""
 
     @property
     def shards(self) -> int:
@@ -68,7 +73,9 @@ class Layout:
             # 0: the pipeline stage, always the first (layout_from_vllm refuses PP); kept so
             # that keys stay the same.
             self.shards, self.head_size, self.num_layers, 0, self.hash_algo,
-            self.cache_layout, self.kv_signature, *([self.tenant] if self.tenant else [])])
+            self.cache_layout, self.kv_signature, *([self.tenant] if self.tenant else []),
+            # an object, where a tenant is a string: the two never read alike
+            *([{"quantization": self.quantization}] if self.quantization else [])])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -181,7 +188,25 @@ def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
         cache_layout=device,
         store_tp_size=check_store_tp_size(store_tp_size, heads, tp, store_tp_field),
         tenant=tenant,
+        quantization=quantization_of(mc),
     )
+
+
+def quantization_of(model_config: Any) -> str:
+    """How vLLM quantizes the model's weights, as text ("" for not at all): the method of
+    `--quantization` and the settings given with it (`quantization_config`), in vLLM's own
+    stable form for hashing configs (`normalize_value`, which its compile cache keys use).
+    A checkpoint quantized already is named by the model: the method vLLM resolves for it is a
+    kernel chosen by the GPU (awq or awq_marlin), which must not split a fleet's keys."""
+    method = getattr(model_config, "quantization", None)
+    if getattr(getattr(model_config, "model_arch_config", None), "quantization_config", None):
+        method = None
+    settings = getattr(model_config, "quantization_config", None)
+    if method is None and settings is None:
+        return ""
+    from vllm.config.utils import normalize_value
+
+    return json.dumps([method, normalize_value(settings)])
 
 
 def check_disk_tier(layout: Layout, enable_offload: bool,

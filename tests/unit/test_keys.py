@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ STORE = {"master_server_address": "127.0.0.1:50051",
     {"model": "org/llama-70b"}, {"revision": "v2"}, {"dtype": "float16"}, {"block_size": 64},
     {"num_kv_heads": 4}, {"head_size": 64}, {"num_layers": 16}, {"store_tp_size": 4},
     {"tenant": "team-b"}, {"hash_algo": "xxhash"}, {"cache_layout": "cuda"},
+    {"quantization": '["fp8_per_tensor", null]'},
 ])
 def test_any_layout_change_changes_every_key(change):
     a, b = KeyBuilder("p", BASE), KeyBuilder("p", dataclasses.replace(BASE, **change))
@@ -193,3 +197,46 @@ def test_a_disk_tier_is_refused_where_ranks_read_slices():
                   dataclasses.replace(BASE, tp_size=1, store_tp_size=2),
                   dataclasses.replace(BASE, num_kv_heads=1, tp_size=2)):  # MLA: one latent
         check_disk_tier(whole, True)
+
+
+def test_a_quantized_engine_of_the_same_model_has_keys_of_its_own(tiny_model):
+    """The same checkpoint served with its weights quantized (`--quantization`, or a
+    `quantization_config`) computes other K and V for the same tokens: it must never read the
+    unquantized engines' blocks, nor they its, nor engines quantized another way. Engines
+    quantized alike share, and unquantized engines keep the keys they had."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    from connector.store.keys import layout_from_vllm
+
+    def layout(**quant) -> Layout:
+        return layout_from_vllm(VllmConfig(model_config=ModelConfig(
+            model=tiny_model, dtype="bfloat16", **quant)))
+
+    # (test_keys_of_the_default_tenant_... pins the keys of an unquantized layout)
+    engines = [layout(), layout(quantization="fp8_per_tensor"),
+               layout(quantization="fp8_per_block"),
+               layout(quantization_config={"linear": "fp8_per_channel"}),
+               layout(quantization_config={"linear": "mxfp8"})]
+    keys = [set(KeyBuilder("p", x).all_shard_keys(H)) for x in engines]
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            assert not a & b
+    assert KeyBuilder("p", layout(quantization="fp8_per_tensor")).fingerprint == \
+        KeyBuilder("p", engines[1]).fingerprint
+    # A checkpoint quantized already: the model names its weights, and the method vLLM
+    # resolves for it is the GPU's kernel choice (awq or awq_marlin): one fleet, one namespace.
+    ckpt = Path(tiny_model).parent / "tiny-fp8"
+    if not ckpt.exists():
+        shutil.copytree(tiny_model, ckpt)
+        config = json.loads((ckpt / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        (ckpt / "config.json").write_text(json.dumps(config))
+    engine = VllmConfig(model_config=ModelConfig(model=str(ckpt), dtype="bfloat16"))
+    assert engine.model_config.quantization == "fp8"
+    resolved = layout_from_vllm(engine)
+    engine.model_config.quantization = "fp8_marlin"  # as another GPU's vLLM would resolve it
+    assert layout_from_vllm(engine) == resolved
+    # A quantization and a tenant never hash alike, whatever their text.
+    q = dataclasses.replace(BASE, quantization="team-b")
+    assert KeyBuilder("p", q).fingerprint != KeyBuilder("p", dataclasses.replace(
+        BASE, tenant="team-b")).fingerprint
