@@ -4,11 +4,12 @@ fingerprint.
     <cache_prefix>/<model>/<fingerprint>/g<group>s<shard>of<shards>/<block hash hex>
 
 The fingerprint hashes everything that defines a stored object's bytes: model identity, how its
-weights are quantized, dtype, block size, the model's KV heads and how many store shards split
-them, head size, layers, hash algorithm, device, and the signature of the registered KV memory
-(each group's layers in order, with each layer's per-shard shape, memory order and element
-type; the attention backend). It does not hash this engine's TP size: an object holds a shard
-of the heads, the same bytes whichever TP size wrote it, so engines of other TP sizes read it.
+weights are quantized and its config overridden, dtype, block size, the model's KV heads and
+how many store shards split them, head size, layers, hash algorithm, device, and the signature
+of the registered KV memory (each group's layers in order, with each layer's per-shard shape,
+memory order and element type; the attention backend). It does not hash this engine's TP
+size: an object holds a shard of the heads, the same bytes whichever TP size wrote it, so
+engines of other TP sizes read it.
 Two layouts that differ in any of the bytes never share a key; they simply miss.
 
 The key is unambiguous by construction: `cache_prefix` is letters, digits, `.`, `_`, `-`
@@ -60,6 +61,10 @@ class Layout:
     # serving it (`--quantization fp8_per_tensor`) must not read the unquantized engines'
     # blocks, nor they its.
     quantization: str = ""
+    # The Hugging Face config overrides the engine was started with (`--hf-overrides`; ""
+    # for none): they can change what the model computes for the same tokens (a RoPE scaling
+    # such as YaRN changes every key), so engines with other overrides do not share.
+    hf_overrides: str = ""
 
     @property
     def shards(self) -> int:
@@ -74,8 +79,9 @@ class Layout:
             # that keys stay the same.
             self.shards, self.head_size, self.num_layers, 0, self.hash_algo,
             self.cache_layout, self.kv_signature, *([self.tenant] if self.tenant else []),
-            # an object, where a tenant is a string: the two never read alike
-            *([{"quantization": self.quantization}] if self.quantization else [])])
+            # objects, where a tenant is a string: none reads like another
+            *([{"quantization": self.quantization}] if self.quantization else []),
+            *([{"hf_overrides": self.hf_overrides}] if self.hf_overrides else [])])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -189,6 +195,7 @@ def layout_from_vllm(vllm_config: Any, model_id: str | None = None,
         store_tp_size=check_store_tp_size(store_tp_size, heads, tp, store_tp_field),
         tenant=tenant,
         quantization=quantization_of(mc),
+        hf_overrides=hf_overrides_of(mc),
     )
 
 
@@ -207,6 +214,19 @@ def quantization_of(model_config: Any) -> str:
     from vllm.config.utils import normalize_value
 
     return json.dumps([method, normalize_value(settings)])
+
+
+def hf_overrides_of(model_config: Any) -> str:
+    """The engine's Hugging Face config overrides as text ("" for none): a dict in vLLM's
+    stable form for hashing configs, a function (vLLM's Python API only) by its name."""
+    overrides = getattr(model_config, "hf_overrides", None)
+    if not overrides:
+        return ""
+    if callable(overrides):
+        return f"{overrides.__module__}.{overrides.__qualname__}"
+    from vllm.config.utils import normalize_value
+
+    return json.dumps(normalize_value(overrides))
 
 
 def check_disk_tier(layout: Layout, enable_offload: bool,

@@ -27,7 +27,7 @@ STORE = {"master_server_address": "127.0.0.1:50051",
     {"model": "org/llama-70b"}, {"revision": "v2"}, {"dtype": "float16"}, {"block_size": 64},
     {"num_kv_heads": 4}, {"head_size": 64}, {"num_layers": 16}, {"store_tp_size": 4},
     {"tenant": "team-b"}, {"hash_algo": "xxhash"}, {"cache_layout": "cuda"},
-    {"quantization": '["fp8_per_tensor", null]'},
+    {"quantization": '["fp8_per_tensor", null]'}, {"hf_overrides": '[["rope_theta", 1e6]]'},
 ])
 def test_any_layout_change_changes_every_key(change):
     a, b = KeyBuilder("p", BASE), KeyBuilder("p", dataclasses.replace(BASE, **change))
@@ -240,3 +240,26 @@ def test_a_quantized_engine_of_the_same_model_has_keys_of_its_own(tiny_model):
     q = dataclasses.replace(BASE, quantization="team-b")
     assert KeyBuilder("p", q).fingerprint != KeyBuilder("p", dataclasses.replace(
         BASE, tenant="team-b")).fingerprint
+
+
+def test_an_engine_with_other_hf_overrides_has_keys_of_its_own(tiny_model):
+    """`--hf-overrides` can change what the model computes for the same tokens: a YaRN RoPE
+    scaling (how long-context engines serve a model) rotates every key otherwise, so such an
+    engine must not read the plain engines' blocks, nor they its. Engines started with the
+    same overrides share."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    from connector.store.keys import layout_from_vllm
+
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 2048}}
+
+    def layout(overrides: dict) -> Layout:
+        mc = ModelConfig(model=tiny_model, dtype="bfloat16", hf_overrides=overrides)
+        return layout_from_vllm(VllmConfig(model_config=mc))
+
+    plain, long, factor2 = (layout(o) for o in (
+        {}, yarn, {"rope_scaling": {**yarn["rope_scaling"], "factor": 2.0}}))
+    keys = [set(KeyBuilder("p", x).all_shard_keys(H)) for x in (plain, long, factor2)]
+    assert not keys[0] & keys[1] and not keys[0] & keys[2] and not keys[1] & keys[2]
+    assert KeyBuilder("p", layout(yarn)).fingerprint == KeyBuilder("p", long).fingerprint
