@@ -73,6 +73,10 @@ class StepMetadata(KVConnectorMetadata):
     # With sync_loads: every request this step schedules; if an in-step load fails, none of
     # them saves again (connector.worker.save_guard).
     in_step_peers: tuple[str, ...] = ()
+    # (request, owner): a request scheduled on blocks of another whose in-step load, or a
+    # load it computed on, is not known good yet; if the worker dropped the owner's saves,
+    # it drops the request's too (connector.scheduler.load_deps).
+    load_deps: tuple[tuple[str, str], ...] = ()
     # The scheduler does not know the workers' KV layout yet: each worker answers with a
     # WorkerReport in this step's output.
     need_layout: bool = False

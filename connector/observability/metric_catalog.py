@@ -145,7 +145,7 @@ FAMILIES: tuple[Family, ...] = (
            "Does the TTFT breakdown miss requests (more requests in flight than it follows)?"),
     # Failures.
     Family("failures", "counter", ("tp_rank", "op", "code", "tenant"),
-           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unsafe (a save not made: its request shared a step with an in-step load that failed, so its blocks may be wrong), unavailable (no client), other.",
+           "Failed store operations by operation (load, save, save_exists, lookup) and Mooncake error code; non-numeric codes: exception, timeout (past load_timeout_s or save_timeout_s: recomputed or abandoned), shutdown (queued at close), abandoned (a save dropped before it read its blocks: its request was preempted, or finished while saves fail), short_read (a stored object smaller than a block), unsafe (a save not made: its request shared a step with an in-step load that failed, or computed on blocks of such a request, so its blocks may be wrong), unavailable (no client), other.",
            "What is failing, and why (-704 not found, -600 buffer, -800 transfer, -900 RPC ...)?"),
     # Master outages and HA failovers, as this rank's store client rode through them.
     Family("master_failovers", "counter", _R, "HA master failovers this rank's store client rode through: its circuit breaker opened on an RPC failure and closed on a different leader.",

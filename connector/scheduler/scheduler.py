@@ -55,6 +55,7 @@ from connector.observability.events import LookupEvent, Publisher
 from connector.observability.stats import StatsRecorder
 from connector.observability.ttft import LoadTimes, RequestClock
 from connector.scheduler.gauge_refresh import GaugeRefresh
+from connector.scheduler.load_deps import LoadDeps
 from connector.scheduler.load_failures import in_step_allowed
 from connector.scheduler.prefix_probe import Late, PrefixProbe
 from connector.scheduler.step_loads import StepLoadPolicy
@@ -137,6 +138,8 @@ class MooncakeStoreScheduler:
         self._loads: list[BlockTransfer] = []
         self._sync_loads: list[BlockTransfer] = []  # loads the step waits for (step_loads)
         self._sync: dict[str, bool] = {}  # req_id -> its load goes inside the step
+        # requests computing on blocks whose in-step load is not known good (load_deps)
+        self._load_deps = LoadDeps()
         self._loading: set[str] = set()
         self._saved: set[str] = set()
         self._free_after: list[str] = []
@@ -456,11 +459,19 @@ class MooncakeStoreScheduler:
             for t in loads:
                 self.clock.sent(t.req_id, mode, len(t.block_ids), now)
         self._step_loads.new_step()
+        deps = self._load_deps.step(
+            (t.req_id for t in self._sync_loads),
+            [*((new.req_id, new.block_ids[0] if new.block_ids else ())
+               for new in so.scheduled_new_reqs),
+             *((rid, cached.new_block_ids[i][0] if cached.new_block_ids[i] else ())
+               for i, rid in enumerate(cached.req_ids) if rid in cached.resumed_req_ids)]
+        ) if self._sync_loads or self._load_deps.following else ()
         meta = StepMetadata(loads=tuple(self._loads), sync_loads=tuple(self._sync_loads),
                             saves=tuple(saves), free_after_jobs=tuple(self._free_after),
                             preempted=preempted, need_layout=not self._keys_ready,
                             in_step_peers=tuple(so.num_scheduled_tokens)
-                            if self._sync_loads else (), preloads=self._preloads())
+                            if self._sync_loads else (), preloads=self._preloads(),
+                            load_deps=deps)
         self._loads.clear()
         self._sync_loads.clear()
         self._free_after.clear()
@@ -582,6 +593,9 @@ class MooncakeStoreScheduler:
         if isinstance(times, LoadTimes):
             self._step_loads.observe(times)
             self.clock.worker_times(times)
+            for rid, load in times.loads.items():
+                if load.in_step and not load.failed and load.ranks >= self._tp_size:
+                    self._load_deps.confirmed(rid)
         for rid in output.finished_recving or ():
             if rid not in self._loading:
                 continue  # another MultiConnector member's load: this one's hit stands
@@ -600,6 +614,7 @@ class MooncakeStoreScheduler:
         rid = request.request_id
         self._asked(rid)
         self._preloaded.pop(rid, None)
+        self._load_deps.finished(rid)
         self._forget(rid)
         self._sync.pop(rid, None)
         self.clock.forget(rid)

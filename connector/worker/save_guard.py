@@ -15,6 +15,10 @@ So once an in-step load fails on any TP rank (the ranks agree: `rank_agreement`)
 request scheduled in that step (`in_step_peers`) is tainted on every rank: none of its saves
 is made, then or later, until vLLM reports it finished. Loads are what is rare here, and a
 dropped save costs only a future hit.
+A request of a later step can take those blocks as a local prefix hit too (with async
+scheduling that step is scheduled before the failure is known; under `recompute` vLLM keeps
+them cached until they are computed again): the scheduler names it with the request whose
+blocks it took (`load_deps`, connector.scheduler.load_deps), and it is tainted with it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ class SaveGuard:
         """In-step loads of `failed` failed in a step that scheduled `peers`."""
         self._tainted.update(peers)
         self._tainted.update(failed)
+
+    def depends(self, deps: Iterable[tuple[str, str]]) -> None:
+        """(request, owner) each: the request computes on blocks of the owner, so it is
+        tainted if the owner is (in order: an owner may be named earlier in the same step)."""
+        for req, owner in deps:
+            if owner in self._tainted:
+                self._tainted.add(req)
 
     def split(self, saves: Sequence[BlockTransfer]
               ) -> tuple[list[BlockTransfer], list[BlockTransfer]]:

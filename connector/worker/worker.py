@@ -506,6 +506,7 @@ class MooncakeStoreWorker:
         self.load_clock.reported(ids, time.perf_counter(), in_step=True)
 
     def start_save(self, meta: StepMetadata) -> None:
+        self.save_guard.depends(meta.load_deps)
         saves, unsafe = self.save_guard.split(meta.saves)
         now = time.perf_counter()
         for t in unsafe:

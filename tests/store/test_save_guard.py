@@ -4,6 +4,8 @@ computes the rest of "a" and request "b" (which may have taken "a"'s blocks as a
 hit). The load fails: neither request's save of that step, nor any later one, is made, and
 each is counted as lost with code `unsafe`. A step whose in-step load succeeds saves as usual.
 At TP=2 a load that fails on one rank keeps every rank's saves of the step out of the store.
+A request that a later step schedules on the failed load's blocks (vLLM's own scheduler, a step
+ahead as async scheduling does) is kept out with it (connector.scheduler.load_deps).
 """
 
 from __future__ import annotations
@@ -136,3 +138,143 @@ def test_at_tp2_a_load_failed_on_one_rank_saves_nothing_on_any_rank(cluster):
     finally:
         for w in ranks:
             w.shutdown()
+
+
+class AsyncSteps:
+    """vLLM's real Scheduler with this connector, scheduling as async scheduling (vLLM's
+    default) does: a step before the previous step's output came back. Its store lookups find
+    a 6-block prefix (objects under the scheduler's keys); its workers are a test worker whose
+    keys are its own, so an in-step load of that prefix fails unless `loads_ok`."""
+
+    PROMPT = list(range(200))  # 6 full blocks and 8 tokens
+
+    def __init__(self, master, tiny_model: str, worker, monkeypatch) -> None:
+        import numpy as np
+        import torch
+        from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from tests.conftest import plain_client
+
+        ktc = KVTransferConfig(kv_connector="PooledMooncakeStoreConnector",
+                               kv_connector_module_path="connector", kv_role="kv_both",
+                               kv_connector_extra_config=master.store_config(
+                                   lookup_wait_ms=10000))
+        config = VllmConfig(model_config=ModelConfig(model=tiny_model, dtype="float32"),
+                            cache_config=CacheConfig(block_size=32, enable_prefix_caching=True),
+                            kv_transfer_config=ktc)
+        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32,
+                                 dtype=torch.float32)
+        self.vllm = Scheduler(vllm_config=config, kv_cache_config=KVCacheConfig(
+            NUM_BLOCKS, [], [KVCacheGroupSpec(["l0", "l1"], spec)]),
+            structured_output_manager=StructuredOutputManager(config), block_size=32,
+            log_stats=False)
+        self.sched = self.vllm.connector.scheduler
+        self.sched.add_layout({0: "registered"})  # the worker's report
+        # the step-load estimate says: in the step
+        monkeypatch.setattr(self.sched._step_loads, "take", lambda *a, **k: True)
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
+        self._hasher = get_request_block_hasher(32, fn)
+        self.worker = worker
+        self.errors: set[int] = set()
+        client = plain_client(master)
+        try:
+            buf = np.zeros(64, dtype=np.uint8)
+            client.register_buffer(buf.ctypes.data, buf.nbytes)
+            keys = self.sched._keys.all_shard_keys(self.request("fill").block_hashes[:6], 0)
+            assert client.batch_put_from(keys, [buf.ctypes.data] * len(keys),
+                                         [64] * len(keys)) == [0] * len(keys)
+        finally:
+            client.close()
+
+    def request(self, rid: str, tail: int = 0):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        return Request(rid, [*self.PROMPT, *[5] * tail], SamplingParams(max_tokens=4), None,
+                       block_hasher=self._hasher)
+
+    def step(self, *requests) -> StepMetadata:
+        """Admit `requests` and schedule a step; the worker runs it as vLLM's model runner
+        does (the step's loads, its forward, its saves, then the load errors: `errors`)."""
+        for r in requests:
+            self.vllm.add_request(r)
+        meta = self.vllm.schedule().kv_connector_metadata
+        w = self.worker
+        w.note_free_after(meta)
+        w.start_load(meta)
+        w.start_save(meta)
+        self.errors |= w.get_load_errors()
+        return meta
+
+    def report(self) -> None:
+        from types import SimpleNamespace
+
+        from connector.metadata import WorkerReport
+
+        self.sched.update_connector_output(SimpleNamespace(
+            finished_sending=None, finished_recving=None,
+            kv_connector_worker_meta=WorkerReport({}, self.worker.take_load_times())))
+
+
+def test_a_later_step_on_a_failed_in_step_loads_blocks_saves_nothing(
+        make_worker_on, cluster, tiny_model, monkeypatch):
+    """vLLM caches r1's blocks when it allocates them for r1's in-step load, and schedules
+    the next step before this one's output comes back: r3 takes them as a local prefix hit
+    and computes its next block on them. r1's load fails, so that block attends to bytes the
+    load never wrote, and it must not reach the store. Before, only r1's own step was kept out
+    (in_step_peers); r3's save was made."""
+    master, _ = cluster
+    w = make_worker_on(master, prefix="deps-fail", **SYNC)
+    s = AsyncSteps(master, tiny_model, w, monkeypatch)
+    try:
+        first = s.step(s.request("r1"))
+        assert [(t.req_id, len(t.block_ids)) for t in first.sync_loads] == [("r1", 6)]
+        then = s.step(s.request("r3", tail=40))  # before step N's output
+        assert [t.req_id for t in then.saves] == ["r3"]
+        assert s.errors == set(first.sync_loads[0].block_ids)  # r1's load failed
+        c = settled_saves(w, 1)
+        t = then.saves[0]
+        made = w._keys.object_keys(t.block_hashes, w._io[0].save.shards, 0)
+        assert w._store.require().batch_is_exist(made) == [0] * len(made), \
+            "a block computed on a failed load's blocks reached the store"
+        assert c["failures|0|save|unsafe"] == 1 and c["save_keys|0"] == 0, dict(c)
+        assert then.load_deps == (("r3", "r1"),)
+        s.report()  # r1's load failed: who takes its blocks later is still named
+        later = s.step(s.request("r4", tail=70))
+        assert ("r4", "r1") in later.load_deps, later.load_deps
+    finally:
+        s.vllm.shutdown()
+
+
+def test_once_an_in_step_load_is_reported_whole_nothing_waits_on_it(
+        make_worker_on, cluster, tiny_model, monkeypatch):
+    """The same steps with r1's prefix stored under the worker's keys too: its load succeeds,
+    r3's block is saved, and once the step's report says so, a request taking r1's blocks is
+    named with nobody."""
+    master, _ = cluster
+    w = make_worker_on(master, prefix="deps-ok", **SYNC)
+    s = AsyncSteps(master, tiny_model, w, monkeypatch)
+    try:
+        hs = tuple(s.request("fill").block_hashes[:6])
+        run_step(w, StepMetadata(saves=(BlockTransfer("fill", tuple(range(50, 56)), hs),),
+                                 free_after_jobs=("fill",)))
+        assert settled_saves(w, 6)["save_keys|0"] == 6
+        first = s.step(s.request("r1"))
+        assert [t.req_id for t in first.sync_loads] == ["r1"]
+        then = s.step(s.request("r3", tail=40))
+        assert then.load_deps == (("r3", "r1"),)  # not known yet when it was scheduled
+        assert not s.errors
+        c = settled_saves(w, 1)
+        assert c["save_keys|0"] == 1 and not c["failures|0|save|unsafe"], dict(c)
+        s.report()
+        later = s.step(s.request("r4", tail=70))
+        assert later.load_deps == () and not s.sched._load_deps.following
+    finally:
+        s.vllm.shutdown()

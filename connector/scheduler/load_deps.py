@@ -1,0 +1,96 @@
+"""Which requests compute on blocks whose in-step load is not known good yet.
+
+vLLM caches the blocks of a request loaded inside a step, and those the step computes for it,
+when it allocates them. A request scheduled later can take them as a local prefix hit before
+the load is known to have filled them:
+- with async scheduling (vLLM's default), step N+1 is scheduled before step N's output, which
+  reports its failed loads, comes back;
+- under `recompute`, vLLM leaves a failed load's blocks cached until their request computes
+  them again.
+What such a request computes then attends to another prompt's bytes, and its saves would put
+the result under keys that every engine trusts. The save guard (connector.worker.save_guard)
+drops the saves of the failed step's own requests only.
+
+The worker knows which loads failed but not which blocks a request computes on; the scheduler
+knows the blocks. So the scheduler follows the blocks of every request a step with in-step
+loads schedules, until each of the step's loads is reported whole by every rank
+(`confirmed`), and names each request it schedules on followed blocks together with their
+owners (`StepMetadata.load_deps`). Such a request is followed in turn, for the requests that
+take its blocks. The worker drops the saves of a request whose owner's saves it drops. An
+owner whose loads are never confirmed (one failed) is followed until it finishes. Usually the
+next step's output confirms a step's loads, and then nothing is followed.
+
+Only models with one KV cache group load inside a step (connector.scheduler.load_failures),
+so the blocks followed are group 0's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class LoadDeps:
+    def __init__(self) -> None:
+        self._owner: dict[int, str] = {}  # followed block -> the request that owns it
+        self._blocks: dict[str, list[int]] = {}  # owner -> its followed blocks
+        self._waits: dict[str, set[str]] = {}  # owner -> in-step loads (requests) not confirmed
+        self._waiters: dict[str, set[str]] = {}  # in-step load -> the owners waiting on it
+
+    @property
+    def following(self) -> bool:
+        """Some blocks are followed: requests scheduled now are checked against them."""
+        return bool(self._owner)
+
+    def step(self, loaders: Iterable[str], scheduled: Iterable[tuple[str, Sequence[int]]]
+             ) -> tuple[tuple[str, str], ...]:
+        """A step whose in-step loads are those of `loaders`, scheduling `scheduled` (new or
+        resumed requests, each with its group 0 block ids, in vLLM's allocation order: a
+        request may take blocks of one allocated before it in the same step). Returns each
+        (request, owner) where the request was scheduled on blocks of an owner followed."""
+        loads = set(loaders)
+        deps: list[tuple[str, str]] = []
+        for rid, ids in scheduled:
+            owners: set[str] = set()
+            if self._owner:
+                owner = self._owner.get
+                owners = {o for o in map(owner, ids) if o is not None and o != rid}
+            waits = set(loads)
+            for o in owners:
+                waits |= self._waits[o]
+                deps.append((rid, o))
+            if waits:
+                self._follow(rid, ids, waits)
+        return tuple(deps)
+
+    def _follow(self, rid: str, ids: Sequence[int], waits: set[str]) -> None:
+        self._waits.setdefault(rid, set()).update(waits)
+        for w in waits:
+            self._waiters.setdefault(w, set()).add(rid)
+        mine = self._blocks.setdefault(rid, [])
+        for b in ids:
+            if self._owner.setdefault(b, rid) == rid:
+                mine.append(b)
+
+    def confirmed(self, loader: str) -> None:
+        """Every rank reported `loader`'s in-step load whole: what waited only on it is good."""
+        for owner in self._waiters.pop(loader, ()):
+            waits = self._waits.get(owner)
+            if waits is not None:
+                waits.discard(loader)
+                if not waits:
+                    self.finished(owner)
+
+    def finished(self, rid: str) -> None:
+        """`rid` finished (or every load it waited on is good): its blocks are not followed.
+        A load of its that failed is never confirmed: those waiting on it stay followed until
+        they finish."""
+        for w in self._waits.pop(rid, ()):
+            waiters = self._waiters.get(w)
+            if waiters is not None:
+                waiters.discard(rid)
+                if not waiters:
+                    del self._waiters[w]
+        self._waiters.pop(rid, None)
+        for b in self._blocks.pop(rid, ()):
+            if self._owner.get(b) == rid:
+                del self._owner[b]
