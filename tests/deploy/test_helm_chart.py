@@ -122,6 +122,15 @@ def test_install_dry_run_client(helm):
     assert "VLLM_MOONCAKE_LOAD_RECV_THREADS=16" in r.stdout  # NOTES lists the thread counts
 
 
+def test_notes_forward_to_the_first_deployments_service_port(helm):
+    """The NOTES' port-forward names the port the first deployment's Service has: 8000:8000
+    whatever `service.port` was made a command that fails (the Service has no port 8000)."""
+    r = helm.run("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", "llm",
+                 "-f", str(CI_VALUES), "--set", "deploymentDefaults.service.port=80")
+    notes = r.stdout.split("NOTES:", 1)[1]
+    assert re.search(r"port-forward svc/\S+ 8000:80\n", notes), notes
+
+
 # ---------------------------------------------------------------- per-deployment rendering
 
 
