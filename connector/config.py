@@ -215,6 +215,12 @@ KEYS: tuple[Key, ...] = (
         "vLLM asks about them first (a request it asks about waits behind at most this many "
         "lookups; 0: every lookup starts when vLLM asks)",
         lo=0, hi=100_000),
+    Key("lookup_answer_ttl_s", "float", 5.0,
+        "how long a lookup's answer stands: one older when vLLM asks (or asks again) about its "
+        "request is looked up again, as the master leases what a lookup found only for its "
+        "`--default_kv_lease_ttl` (5 s by default) and may evict it after, and a miss may have "
+        "been stored since; a prefix already read into host memory (a preload) does not age; "
+        "0: answers never age", lo=0, hi=3600),
     Key("lookup_wait_ms", "float", 5.0,
         "budget per engine step for waiting on lookups, shared by every waiting request "
         "(lookups start when a request arrives; one not done is asked again next step)",
@@ -515,6 +521,7 @@ class ConnectorConfig:
     prefill_tp_sizes: tuple[int, ...] | None = _d("prefill_tp_sizes")
     lookup_timeout_s: float = _d("lookup_timeout_s")
     lookup_ahead: int = _d("lookup_ahead")
+    lookup_answer_ttl_s: float = _d("lookup_answer_ttl_s")
     lookup_wait_ms: float = _d("lookup_wait_ms")
     enable_save: bool = _d("enable_save")
     enable_load: bool = _d("enable_load")

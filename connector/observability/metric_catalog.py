@@ -115,7 +115,7 @@ FAMILIES: tuple[Family, ...] = (
            "Does the lookup slow the scheduler?"),
     Family("lookup_keys", "counter", (), "Keys the scheduler's lookups asked the master, those of lookups given up on included (timed out, or their request finished first: counted when their call returns).",
            "How much lookup traffic does the master get?"),
-    Family("lookups", "counter", ("cache_prefix", "result", "tenant"), "Scheduler lookups by result: hit, miss, error or timeout (counted when vLLM asks about the request), or abandoned (its request finished, or the connector cache was reset, before vLLM used the answer: a look-ahead lookup of a request aborted while queued); each lookup started counts once. cache_prefix is the tenant's key prefix.",
+    Family("lookups", "counter", ("cache_prefix", "result", "tenant"), "Scheduler lookups by result: hit, miss, error or timeout (counted when vLLM asks about the request), or abandoned (its request finished, or the connector cache was reset, before vLLM used the answer: a look-ahead lookup of a request aborted while queued; or it answered more than lookup_answer_ttl_s before vLLM asked, and a fresh lookup replaced it); each lookup started counts once. cache_prefix is the tenant's key prefix.",
            "Does the store find prefixes at all, for each tenant?"),
     Family("lookups_deferred", "counter", (), "Arriving requests whose lookup waited for a turn: lookup_ahead lookups of requests vLLM had not asked about were running or answered already (it starts in arrival order as those are asked about or finish, or when vLLM asks about it).",
            "Does the look-ahead bound hold lookups back (raise lookup_ahead)?"),

@@ -17,7 +17,10 @@ arrivals queued every lookup on the executor, so a request vLLM asked about out 
 order (a priority, a long queue) waited behind all of them, past its deadline; and the master
 answered, and leased blocks, for requests minutes from being scheduled. A look-ahead hit is
 sent to the workers once (`StepMetadata.preloads`), which read the prefix into host memory
-while the request waits (`connector.worker.preload`).
+while the request waits (`connector.worker.preload`). An answer stands for
+`lookup_answer_ttl_s`, the master's lease on what it found: vLLM asking about a request later
+than that (a long queue), or again (not admitted), starts a fresh lookup, unless the prefix
+is in host memory already.
 
 Against a master that is slow but answers, dead lookups must not pile up ahead of live ones: a
 lookup that times out is cancelled if it has not started, one that starts past its deadline
@@ -304,7 +307,11 @@ class MooncakeStoreScheduler:
             # a step, so no metadata told of it before this admission. A fresh one.
             self._forget(rid)
             found = None
+        elif found is not None and self._aged(rid, self._seen.get(rid, math.inf)):
+            del self._hits[rid]  # vLLM asks again, past the answer's lease: a fresh lookup
+            found = None
         if found is None:
+            self._expire(rid)
             hit = self._poll_lookup(rid, request.block_hashes[:max_blocks])
             if hit is None:
                 return None, False
@@ -317,6 +324,26 @@ class MooncakeStoreScheduler:
         self._sync[rid] = sync = self._step_loads.take(
             ext // self._block_size, self._preloaded.get(rid, 0) >= self._tp_size)
         return ext, not sync
+
+    def _aged(self, rid: str, answered: float) -> bool:
+        """Whether an answer of `answered` (perf_counter) is past `lookup_answer_ttl_s`: the
+        master's lease on what it found may have ended, so it may be evicted. A prefix every
+        rank read into host memory (preload) does not age: its load copies from there."""
+        ttl = self.config.lookup_answer_ttl_s
+        return (ttl > 0 and time.perf_counter() - answered > ttl
+                and self._preloaded.get(rid, 0) < self._tp_size)
+
+    def _expire(self, rid: str) -> None:
+        """A look-ahead lookup answered past `lookup_answer_ttl_s` before vLLM asked (a long
+        queue): abandoned (its answer is not used), so the ask that follows starts a fresh
+        one. Its old answer would load what may be gone (a failed load recomputes the whole
+        prefix), or miss what was stored since."""
+        lk = self._lookups.get(rid)
+        if lk is None or not lk.future.done() or lk.future.cancelled() \
+                or lk.future.exception() is not None:
+            return
+        if self._aged(rid, lk.future.result()[1].t_end):
+            self._abandon(rid)
 
     def _poll_lookup(self, rid: str, hashes: Sequence[bytes]) -> int | None:
         lk = self._submit(rid, hashes)

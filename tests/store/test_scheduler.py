@@ -650,3 +650,29 @@ def test_shutdown_stops_tracing_within_its_bound_then_closes_the_client(master, 
     assert len(closes) == 1
     if fail:  # a stuck one never got there: its exports wait for the collector
         assert writer.shut.is_set()
+
+
+def test_an_answer_past_its_lease_is_looked_up_again(master, store_node, store_client):
+    """A lookup's answer stands for lookup_answer_ttl_s: the master leases what a lookup
+    found only that long (--default_kv_lease_ttl), then may evict it. A request vLLM reaches
+    later than that (a long queue), or asks about again (not admitted), is looked up afresh:
+    blocks gone since are not loaded (a failed load recomputes the whole prefix), blocks
+    stored since are. Before, the first answer stood however old."""
+    s = make(master, lookup_answer_ttl_s=0.2)
+    try:
+        hs = hashes("aged", 4)
+        store_blocks(store_client, s, hs)
+        r = request("aged", hs, 4 * BS + 5)
+        s.prefetch(r)  # looked up on arrival: a hit
+        wait_until(lambda: s._lookups["aged"].future.done(), 10, "the look-ahead lookup")
+        keys = [k for rank in (0, 1) for k in s._keys.keys(hs, rank)]
+        assert [store_client.remove(k, True) for k in keys] == [0] * len(keys)  # evicted
+        time.sleep(0.3)
+        assert ask(s, r) == (0, False), "an answer older than its lease was loaded"
+        store_blocks(store_client, s, hs)  # stored since; vLLM asks again later
+        time.sleep(0.3)
+        assert ask(s, r) == (4 * BS, True)
+        assert lookup_counts(s) == {"lookups|abandoned": 1, "lookups|miss": 1,
+                                    "lookups|hit": 1}
+    finally:
+        s.shutdown()
