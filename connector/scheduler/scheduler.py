@@ -308,7 +308,9 @@ class MooncakeStoreScheduler:
             self._forget(rid)
             found = None
         elif found is not None and self._aged(rid, self._seen.get(rid, math.inf)):
-            del self._hits[rid]  # vLLM asks again, past the answer's lease: a fresh lookup
+            # vLLM asks again past the answer's lease: a fresh lookup (not after a failed
+            # load: its "nothing more" has no `_seen`, and never ages)
+            del self._hits[rid]
             found = None
         if found is None:
             self._expire(rid)
@@ -631,6 +633,10 @@ class MooncakeStoreScheduler:
             # it: answer "nothing more in the store" so it is never re-loaded in a loop.
             if rid in self._hits:
                 self._hits[rid] = (0, self._hits[rid][1])
+                # and it stands: aged into a fresh lookup (a load fails at load_timeout_s,
+                # past lookup_answer_ttl_s), a store that fails every load would have each
+                # request load, fail and load again
+                self._seen.pop(rid, None)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Hold the blocks while a job may still touch them.

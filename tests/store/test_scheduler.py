@@ -165,20 +165,33 @@ def test_an_answer_that_comes_just_after_the_wait_is_used_not_asked_again(sched,
     assert lookup_keys(sched) == 70 * 2
 
 
-def test_failed_load_is_not_retried(sched, store_client):
-    hs = hashes("retry", 4)
-    store_blocks(store_client, sched, hs)
-    req = request("r", hs, 4 * BS + 1)
-    assert ask(sched, req) == (4 * BS, True)
-    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14]), 4 * BS)
-    meta = sched.build_connector_meta(SimpleNamespace(
-        preempted_req_ids=set(), scheduled_new_reqs=[], num_scheduled_tokens={},
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
-                                              new_block_ids=[], num_computed_tokens=[])))
-    assert [(t.req_id, t.block_ids) for t in meta.loads] == [("r", (10, 11, 12, 13))]
-    # The load failed; vLLM recomputes and asks again: the answer is now "nothing".
-    sched.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving={"r"}))
-    assert ask(sched, req) == (0, False)
+@pytest.mark.parametrize("aged", [False, True])
+def test_failed_load_is_not_retried(master, store_node, store_client, aged):
+    """`aged`: the load failed at its deadline (load_timeout_s, 5 s), past the answer's own
+    (lookup_answer_ttl_s, 5 s): "nothing more" does not age into a fresh lookup, or a store
+    node that fails every load would have each request load, fail and load again."""
+    sched = make(master, lookup_answer_ttl_s=0.2)
+    try:
+        hs = hashes("retry", 4)
+        store_blocks(store_client, sched, hs)
+        req = request("r", hs, 4 * BS + 1)
+        assert ask(sched, req) == (4 * BS, True)
+        sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14]), 4 * BS)
+        meta = sched.build_connector_meta(SimpleNamespace(
+            preempted_req_ids=set(), scheduled_new_reqs=[], num_scheduled_tokens={},
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                                  new_block_ids=[], num_computed_tokens=[])))
+        assert [(t.req_id, t.block_ids) for t in meta.loads] == [("r", (10, 11, 12, 13))]
+        if aged:
+            time.sleep(0.3)
+        # The load failed; vLLM recomputes and asks again: the answer is now "nothing".
+        sched.update_connector_output(SimpleNamespace(finished_sending=None,
+                                                      finished_recving={"r"}))
+        if aged:
+            time.sleep(0.3)
+        assert ask(sched, req) == (0, False)
+    finally:
+        sched.shutdown()
 
 
 def test_another_members_finished_load_leaves_this_ones_hit(sched, store_client):
