@@ -20,6 +20,12 @@ take its blocks. The worker drops the saves of a request whose owner's saves it 
 owner whose loads are never confirmed (one failed) is followed until it finishes. Usually the
 next step's output confirms a step's loads, and then nothing is followed.
 
+Naming ends with the owner, but vLLM's prefix cache keeps its blocks past it: a request that
+took them after the owner finished (the same prompt again, a conversation's next turn) was
+named with nobody, computed on them and saved. So once a load is reported failed, the blocks
+of its request and of each owner waiting on it leave vLLM's prefix cache (`failed`): a later
+request cannot take them, nor a block downstream of them (a prefix hit is contiguous).
+
 Only models with one KV cache group load inside a step (connector.scheduler.load_failures),
 so the blocks followed are group 0's.
 """
@@ -79,6 +85,13 @@ class LoadDeps:
                 waits.discard(loader)
                 if not waits:
                     self.finished(owner)
+
+    def failed(self, loader: str) -> set[int]:
+        """A rank reported `loader`'s in-step load failed: the followed blocks of it and of
+        the owners waiting on it, for the caller to evict from vLLM's prefix cache (they stay
+        followed: requests already named with their owners keep their names)."""
+        owners = {loader, *self._waiters.get(loader, ())}
+        return {b for o in owners for b in self._blocks.get(o, ())}
 
     def finished(self, rid: str) -> None:
         """`rid` finished (or every load it waited on is good): its blocks are not followed.

@@ -623,7 +623,12 @@ class MooncakeStoreScheduler:
             self._step_loads.observe(times)
             self.clock.worker_times(times)
             for rid, load in times.loads.items():
-                if load.in_step and not load.failed and load.ranks >= self._tp_size:
+                if not load.in_step:
+                    continue
+                if load.failed:  # what was computed on its blocks leaves the prefix cache
+                    if self._pool is not None:
+                        self._pool.evict_blocks(self._load_deps.failed(rid))
+                elif load.ranks >= self._tp_size:
                     self._load_deps.confirmed(rid)
         for rid in output.finished_recving or ():
             if rid not in self._loading:

@@ -246,9 +246,41 @@ def test_a_later_step_on_a_failed_in_step_loads_blocks_saves_nothing(
             "a block computed on a failed load's blocks reached the store"
         assert c["failures|0|save|unsafe"] == 1 and c["save_keys|0"] == 0, dict(c)
         assert then.load_deps == (("r3", "r1"),)
-        s.report()  # r1's load failed: who takes its blocks later is still named
+        s.report()  # r1's load failed: its blocks and r3's left vLLM's prefix cache
         later = s.step(s.request("r4", tail=70))
-        assert ("r4", "r1") in later.load_deps, later.load_deps
+        assert [(t.req_id, len(t.block_ids)) for t in later.sync_loads] == [("r4", 6)]
+        assert later.load_deps == ()
+    finally:
+        s.vllm.shutdown()
+
+
+def test_a_failed_in_step_loads_blocks_leave_vllms_prefix_cache(
+        make_worker_on, cluster, tiny_model, monkeypatch):
+    """r3 computed a block on r1's failed load (scheduled a step ahead) and was kept out by its
+    name; then both finish, and vLLM's prefix cache keeps their blocks. r9, r3's prompt and
+    more (a conversation's next turn), took them as a local hit, was named with nobody (their
+    owners were gone) and saved blocks computed on them. Now the failure's report evicts them:
+    r9 loads the prefix from the store itself."""
+    from vllm.v1.request import RequestStatus
+
+    master, _ = cluster
+    w = make_worker_on(master, prefix="deps-evict", **SYNC)
+    s = AsyncSteps(master, tiny_model, w, monkeypatch)
+    try:
+        s.step(s.request("r1"))
+        then = s.step(s.request("r3", tail=40))
+        assert then.load_deps == (("r3", "r1"),) and s.errors  # and r1's load failed
+        settled_saves(w, 1)  # r3's, not made
+        s.report()
+        s.vllm.finish_requests(["r1", "r3"], RequestStatus.FINISHED_ABORTED)
+        later = s.step(s.request("r9", tail=70))
+        assert [t.req_id for t in later.saves] == ["r9"]
+        t = later.saves[0]
+        settled_saves(w, len(t.block_ids))
+        made = w._keys.object_keys(t.block_hashes, w._io[0].save.shards, 0)
+        assert w._store.require().batch_is_exist(made) == [0] * len(made), \
+            "a block computed on a failed load's blocks reached the store"
+        assert [(t.req_id, len(t.block_ids)) for t in later.sync_loads] == [("r9", 6)]
     finally:
         s.vllm.shutdown()
 

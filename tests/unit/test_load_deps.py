@@ -36,3 +36,13 @@ def test_what_waits_on_a_failed_load_is_followed_until_it_finishes():
     d.finished("r3")
     d.finished("r4")
     assert not d.following and not d._waits and not d._waiters
+
+
+def test_a_failed_load_names_the_blocks_to_evict_and_keeps_following_them():
+    """Its blocks, and those of every owner waiting on it (its step's, and the later ones on
+    its blocks), leave vLLM's prefix cache; requests already named keep their names."""
+    d = LoadDeps()
+    d.step(["r1"], [("r1", [1, 2]), ("p", [9])])
+    d.step([], [("r3", [1, 2, 7]), ("other", [20])])
+    assert d.failed("r1") == {1, 2, 7, 9}
+    assert d.step([], [("r4", [7, 8])]) == (("r4", "r3"),)
