@@ -20,11 +20,16 @@ take its blocks. The worker drops the saves of a request whose owner's saves it 
 owner whose loads are never confirmed (one failed) is followed until it finishes. Usually the
 next step's output confirms a step's loads, and then nothing is followed.
 
-Naming ends with the owner, but vLLM's prefix cache keeps its blocks past it: a request that
-took them after the owner finished (the same prompt again, a conversation's next turn) was
-named with nobody, computed on them and saved. So once a load is reported failed, the blocks
-of its request and of each owner waiting on it leave vLLM's prefix cache (`failed`): a later
-request cannot take them, nor a block downstream of them (a prefix hit is contiguous).
+Naming ends with the owner, but vLLM's prefix cache keeps its blocks past it, and a request
+it named keeps computing on them (vLLM does not roll back a request scheduled on another's
+failed blocks): a request that took them after the owner finished (the same prompt again, a
+conversation's next turn) was named with nobody, computed on them and saved. So the blocks of
+every owner waiting on a failed load leave vLLM's prefix cache: those it has when the failure
+is reported (`failed`), and those it allocates after, when it finishes (`finished`). Its
+blocks are followed as they grow (`step`'s `grown`): evicting only the first would not do, as
+a request that computes those again, correctly, would make the rest reachable. An owner that
+finishes before its loads are reported stays followed until they are (at most
+`REPORT_STEPS` steps), so that a failure reported after it still evicts its blocks.
 
 Only models with one KV cache group load inside a step (connector.scheduler.load_failures),
 so the blocks followed are group 0's.
@@ -34,6 +39,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+# Steps a finished owner waits for the report of the loads it waited on (they come in the
+# output of their own step, one or two steps later with async scheduling) before it is
+# forgotten: a report that never comes must not keep it for good.
+REPORT_STEPS = 16
+
 
 class LoadDeps:
     def __init__(self) -> None:
@@ -41,18 +51,25 @@ class LoadDeps:
         self._blocks: dict[str, list[int]] = {}  # owner -> its followed blocks
         self._waits: dict[str, set[str]] = {}  # owner -> in-step loads (requests) not confirmed
         self._waiters: dict[str, set[str]] = {}  # in-step load -> the owners waiting on it
+        self._failed: set[str] = set()  # in-step loads reported failed, while waited on
+        self._done: dict[str, int] = {}  # finished owners whose loads are not reported -> step
+        self._steps = 0
 
     @property
     def following(self) -> bool:
         """Some blocks are followed: requests scheduled now are checked against them."""
         return bool(self._owner)
 
-    def step(self, loaders: Iterable[str], scheduled: Iterable[tuple[str, Sequence[int]]]
-             ) -> tuple[tuple[str, str], ...]:
+    def step(self, loaders: Iterable[str], scheduled: Iterable[tuple[str, Sequence[int]]],
+             grown: Iterable[tuple[str, Sequence[int]]] = ()) -> tuple[tuple[str, str], ...]:
         """A step whose in-step loads are those of `loaders`, scheduling `scheduled` (new or
         resumed requests, each with its group 0 block ids, in vLLM's allocation order: a
-        request may take blocks of one allocated before it in the same step). Returns each
-        (request, owner) where the request was scheduled on blocks of an owner followed."""
+        request may take blocks of one allocated before it in the same step), and giving the
+        running requests `grown` new blocks. Returns each (request, owner) where the request
+        was scheduled on blocks of an owner followed."""
+        self._steps += 1
+        for rid in [r for r, at in self._done.items() if self._steps - at > REPORT_STEPS]:
+            self._drop(rid)  # its report never came
         loads = set(loaders)
         deps: list[tuple[str, str]] = []
         for rid, ids in scheduled:
@@ -66,6 +83,9 @@ class LoadDeps:
                 deps.append((rid, o))
             if waits:
                 self._follow(rid, ids, waits)
+        for rid, ids in grown:
+            if rid in self._waits:
+                self._follow(rid, ids, set())
         return tuple(deps)
 
     def _follow(self, rid: str, ids: Sequence[int], waits: set[str]) -> None:
@@ -84,26 +104,45 @@ class LoadDeps:
             if waits is not None:
                 waits.discard(loader)
                 if not waits:
-                    self.finished(owner)
+                    self._drop(owner)
 
     def failed(self, loader: str) -> set[int]:
         """A rank reported `loader`'s in-step load failed: the followed blocks of it and of
-        the owners waiting on it, for the caller to evict from vLLM's prefix cache (they stay
-        followed: requests already named with their owners keep their names)."""
+        the owners waiting on it, for the caller to evict from vLLM's prefix cache. Live
+        owners stay followed (requests already named keep their names; what they allocate
+        later leaves the cache when they finish); finished ones are forgotten."""
+        self._failed.add(loader)
         owners = {loader, *self._waiters.get(loader, ())}
-        return {b for o in owners for b in self._blocks.get(o, ())}
+        out = {b for o in owners for b in self._blocks.get(o, ())}
+        for o in owners & self._done.keys():
+            self._drop(o)
+        return out
 
-    def finished(self, rid: str) -> None:
-        """`rid` finished (or every load it waited on is good): its blocks are not followed.
-        A load of its that failed is never confirmed: those waiting on it stay followed until
-        they finish."""
+    def finished(self, rid: str) -> set[int]:
+        """`rid` finished: the blocks to evict from vLLM's prefix cache (all it had, if a load
+        it waited on failed). One whose loads are not reported yet stays followed until they
+        are."""
+        waits = self._waits.get(rid)
+        if not waits:
+            self._drop(rid)
+            return set()
+        if waits & self._failed:
+            out = set(self._blocks.get(rid, ()))
+            self._drop(rid)
+            return out
+        self._done[rid] = self._steps
+        return set()
+
+    def _drop(self, rid: str) -> None:
+        """`rid`'s blocks are not followed any more."""
+        self._done.pop(rid, None)
         for w in self._waits.pop(rid, ()):
             waiters = self._waiters.get(w)
             if waiters is not None:
                 waiters.discard(rid)
                 if not waiters:
                     del self._waiters[w]
-        self._waiters.pop(rid, None)
+                    self._failed.discard(w)
         for b in self._blocks.pop(rid, ()):
             if self._owner.get(b) == rid:
                 del self._owner[b]

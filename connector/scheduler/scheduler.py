@@ -493,7 +493,9 @@ class MooncakeStoreScheduler:
             [*((new.req_id, new.block_ids[0] if new.block_ids else ())
                for new in so.scheduled_new_reqs),
              *((rid, cached.new_block_ids[i][0] if cached.new_block_ids[i] else ())
-               for i, rid in enumerate(cached.req_ids) if rid in cached.resumed_req_ids)]
+               for i, rid in enumerate(cached.req_ids) if rid in cached.resumed_req_ids)],
+            [(rid, cached.new_block_ids[i][0]) for i, rid in enumerate(cached.req_ids)
+             if cached.new_block_ids[i] and rid not in cached.resumed_req_ids]
         ) if self._sync_loads or self._load_deps.following else ()
         meta = StepMetadata(loads=tuple(self._loads), sync_loads=tuple(self._sync_loads),
                             saves=tuple(saves), free_after_jobs=tuple(self._free_after),
@@ -626,8 +628,7 @@ class MooncakeStoreScheduler:
                 if not load.in_step:
                     continue
                 if load.failed:  # what was computed on its blocks leaves the prefix cache
-                    if self._pool is not None:
-                        self._pool.evict_blocks(self._load_deps.failed(rid))
+                    self._evict(self._load_deps.failed(rid))
                 elif load.ranks >= self._tp_size:
                     self._load_deps.confirmed(rid)
         for rid in output.finished_recving or ():
@@ -643,6 +644,12 @@ class MooncakeStoreScheduler:
                 # request load, fail and load again
                 self._seen.pop(rid, None)
 
+    def _evict(self, block_ids: set[int]) -> None:
+        """Blocks computed on a failed in-step load leave vLLM's prefix cache (load_deps), as
+        vLLM evicts a failed load's own under its `fail` policy."""
+        if block_ids and self._pool is not None:
+            self._pool.evict_blocks(block_ids)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Hold the blocks while a job may still touch them.
 
@@ -652,7 +659,7 @@ class MooncakeStoreScheduler:
         rid = request.request_id
         self._asked(rid)
         self._preloaded.pop(rid, None)
-        self._load_deps.finished(rid)
+        self._evict(self._load_deps.finished(rid))
         self._forget(rid)
         self._sync.pop(rid, None)
         self.clock.forget(rid)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from connector.config import load_config
 from connector.metadata import BlockTransfer, StepMetadata
 from connector.store.keys import KeyBuilder, Layout
@@ -254,13 +256,15 @@ def test_a_later_step_on_a_failed_in_step_loads_blocks_saves_nothing(
         s.vllm.shutdown()
 
 
+@pytest.mark.parametrize("aborted", ["after the report", "before the report"])
 def test_a_failed_in_step_loads_blocks_leave_vllms_prefix_cache(
-        make_worker_on, cluster, tiny_model, monkeypatch):
+        make_worker_on, cluster, tiny_model, monkeypatch, aborted):
     """r3 computed a block on r1's failed load (scheduled a step ahead) and was kept out by its
     name; then both finish, and vLLM's prefix cache keeps their blocks. r9, r3's prompt and
     more (a conversation's next turn), took them as a local hit, was named with nobody (their
     owners were gone) and saved blocks computed on them. Now the failure's report evicts them:
-    r9 loads the prefix from the store itself."""
+    r9 loads the prefix from the store itself. Aborted before the report, their blocks are
+    followed until it comes."""
     from vllm.v1.request import RequestStatus
 
     master, _ = cluster
@@ -271,8 +275,11 @@ def test_a_failed_in_step_loads_blocks_leave_vllms_prefix_cache(
         then = s.step(s.request("r3", tail=40))
         assert then.load_deps == (("r3", "r1"),) and s.errors  # and r1's load failed
         settled_saves(w, 1)  # r3's, not made
+        if aborted == "before the report":
+            s.vllm.finish_requests(["r1", "r3"], RequestStatus.FINISHED_ABORTED)
         s.report()
-        s.vllm.finish_requests(["r1", "r3"], RequestStatus.FINISHED_ABORTED)
+        if aborted == "after the report":
+            s.vllm.finish_requests(["r1", "r3"], RequestStatus.FINISHED_ABORTED)
         later = s.step(s.request("r9", tail=70))
         assert [t.req_id for t in later.saves] == ["r9"]
         t = later.saves[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from connector.scheduler.load_deps import LoadDeps
+from connector.scheduler.load_deps import REPORT_STEPS, LoadDeps
 
 
 def test_a_request_on_a_loads_blocks_is_named_with_it_and_followed_in_turn():
@@ -27,15 +27,54 @@ def test_the_requests_of_a_step_with_loads_wait_on_every_load_of_it():
     assert not d.following
 
 
-def test_what_waits_on_a_failed_load_is_followed_until_it_finishes():
+def test_what_waits_on_a_failed_load_leaves_the_cache_with_all_its_blocks():
+    """vLLM does not roll back a request scheduled on a failed load's blocks: what it
+    allocates later is computed on them too, and leaves the prefix cache when it finishes."""
     d = LoadDeps()
     d.step(["r1"], [("r1", [1, 2])])
     d.step([], [("r3", [1, 5])])
-    d.finished("r1")  # finished without being confirmed: its load failed
+    d.step([], [], grown=[("r3", [6]), ("x", [7])])  # x is not followed
+    assert d.failed("r1") == {1, 2, 5, 6}
+    d.step([], [], grown=[("r3", [8])])
     assert d.step([], [("r4", [5])]) == (("r4", "r3"),)
-    d.finished("r3")
-    d.finished("r4")
-    assert not d.following and not d._waits and not d._waiters
+    assert d.finished("r3") == {5, 6, 8}
+    assert d.finished("r4") == set()  # on r3's block only
+    assert d.finished("r1") == {1, 2}
+    assert not (d.following or d._waits or d._waiters or d._failed or d._done)
+
+
+def test_an_owner_that_finishes_before_its_report_is_followed_until_it():
+    """Aborted in the step after the failed load, before its report: its blocks stay cached
+    (vLLM evicts nothing under recompute) and are still evicted when the report comes."""
+    d = LoadDeps()
+    d.step(["r1"], [("r1", [1])])
+    d.step([], [("r3", [1, 2])])
+    assert d.finished("r1") == d.finished("r3") == set()  # not reported yet
+    assert d.step([], [("r9", [2])]) == (("r9", "r3"),)
+    assert d.failed("r1") == {1, 2}
+    assert d.finished("r9") == set()
+    assert not (d.following or d._waits or d._waiters or d._failed or d._done)
+
+
+def test_a_load_reported_after_its_request_finished_is_confirmed():
+    """vLLM frees a finished request before it hands the connector the step's output: a
+    one-token request loaded in the step is confirmed then, not followed until it ages out."""
+    d = LoadDeps()
+    d.step(["r1"], [("r1", [1]), ("p", [2])])
+    assert d.finished("r1") == set()
+    d.confirmed("r1")
+    assert not (d.following or d._waits or d._waiters or d._done)
+
+
+def test_a_report_that_never_comes_ages_out():
+    d = LoadDeps()
+    d.step(["r1"], [("r1", [1])])
+    d.finished("r1")
+    for _ in range(REPORT_STEPS):
+        d.step([], [])
+    assert d.following
+    d.step([], [])
+    assert not (d.following or d._waits or d._waiters or d._done)
 
 
 def test_a_failed_load_names_the_blocks_to_evict_and_keeps_following_them():
