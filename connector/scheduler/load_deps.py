@@ -57,8 +57,10 @@ class LoadDeps:
 
     @property
     def following(self) -> bool:
-        """Some blocks are followed: requests scheduled now are checked against them."""
-        return bool(self._owner)
+        """Some request is followed: requests scheduled now are checked against its blocks,
+        and each step ages out finished ones (an owner may have no block of its own, so not
+        only while blocks are)."""
+        return bool(self._waits)
 
     def step(self, loaders: Iterable[str], scheduled: Iterable[tuple[str, Sequence[int]]],
              grown: Iterable[tuple[str, Sequence[int]]] = ()) -> tuple[tuple[str, str], ...]:
@@ -111,7 +113,8 @@ class LoadDeps:
         the owners waiting on it, for the caller to evict from vLLM's prefix cache. Live
         owners stay followed (requests already named keep their names; what they allocate
         later leaves the cache when they finish); finished ones are forgotten."""
-        self._failed.add(loader)
+        if loader in self._waiters:  # else nothing waits on it: nothing to remember
+            self._failed.add(loader)
         owners = {loader, *self._waiters.get(loader, ())}
         out = {b for o in owners for b in self._blocks.get(o, ())}
         for o in owners & self._done.keys():

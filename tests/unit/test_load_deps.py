@@ -85,3 +85,25 @@ def test_a_failed_load_names_the_blocks_to_evict_and_keeps_following_them():
     d.step([], [("r3", [1, 2, 7]), ("other", [20])])
     assert d.failed("r1") == {1, 2, 7, 9}
     assert d.step([], [("r4", [7, 8])]) == (("r4", "r3"),)
+
+
+def test_an_owner_without_blocks_of_its_own_ages_out_too():
+    """r4 took only r1's blocks; both finish before a report that never comes, r4 a step
+    later. r1 ages out first, and with it the last followed block: r4 must age out after."""
+    d = LoadDeps()
+    d.step(["r1"], [("r1", [1])])
+    d.step([], [("r4", [1])])
+    d.finished("r1")
+    d.step([], [])
+    d.finished("r4")
+    for _ in range(REPORT_STEPS + 2):
+        if not d.following:
+            break
+        d.step([], [])
+    assert not (d.following or d._waits or d._waiters or d._done)
+
+
+def test_a_failure_reported_for_a_load_no_longer_followed_keeps_nothing():
+    d = LoadDeps()
+    assert d.failed("gone") == set()
+    assert not d._failed
