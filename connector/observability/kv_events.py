@@ -97,8 +97,7 @@ def external_hashes(hashes: list[bytes]) -> list[Any]:
 
 def external_hash(h: bytes) -> Any:
     """One block hash in vLLM's external form (`external_hashes`), without the arrays that
-    pay only over many: a removal is one block, and the batch path cost a live-bound trim of
-    a long prompt's blocks tens of milliseconds in the scheduler's step."""
+    pay only over many: an event's parent is one block."""
     return int.from_bytes(h[-8:], "big") if _int_hashes() else h
 
 

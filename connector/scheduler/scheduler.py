@@ -488,15 +488,8 @@ class MooncakeStoreScheduler:
             for t in loads:
                 self.clock.sent(t.req_id, mode, len(t.block_ids), now)
         self._step_loads.new_step()
-        deps = self._load_deps.step(
-            (t.req_id for t in self._sync_loads),
-            [*((new.req_id, new.block_ids[0] if new.block_ids else ())
-               for new in so.scheduled_new_reqs),
-             *((rid, cached.new_block_ids[i][0] if cached.new_block_ids[i] else ())
-               for i, rid in enumerate(cached.req_ids) if rid in cached.resumed_req_ids)],
-            [(rid, cached.new_block_ids[i][0]) for i, rid in enumerate(cached.req_ids)
-             if cached.new_block_ids[i] and rid not in cached.resumed_req_ids]
-        ) if self._sync_loads or self._load_deps.following else ()
+        deps = self._step_load_deps(so) if self._sync_loads or self._load_deps.following \
+            else ()
         meta = StepMetadata(loads=tuple(self._loads), sync_loads=tuple(self._sync_loads),
                             saves=tuple(saves), free_after_jobs=tuple(self._free_after),
                             preempted=preempted, need_layout=not self._keys_ready,
@@ -507,6 +500,21 @@ class MooncakeStoreScheduler:
         self._sync_loads.clear()
         self._free_after.clear()
         return meta
+
+    def _step_load_deps(self, so: Any) -> tuple[tuple[str, str], ...]:
+        """The step's requests on blocks whose in-step load is not known good (load_deps):
+        the new and resumed ones with their group 0 blocks, the running ones with the blocks
+        they got this step."""
+        scheduled = [(new.req_id, new.block_ids[0] if new.block_ids else ())
+                     for new in so.scheduled_new_reqs]
+        grown = []
+        cached = so.scheduled_cached_reqs
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid in cached.resumed_req_ids:
+                scheduled.append((rid, ids[0] if ids else ()))
+            elif ids:
+                grown.append((rid, ids[0]))
+        return self._load_deps.step((t.req_id for t in self._sync_loads), scheduled, grown)
 
     def _forget(self, rid: str) -> None:
         """A request's admission (preempted or finished): its lookup's answer and save
